@@ -1,0 +1,33 @@
+# Every target sets itself up: a fresh clone needs only Python 3.11 and network access to PyPI.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test test-slow demo bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The default suite: unit + multiprocess tests, no slow/soak/GPU/netns tests.
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not gpu and not netns" -n 2 tests
+
+# Slow and soak tests; CI runs them in a separate, time-bounded step.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m "slow and not gpu" tests
+
+demo: $(STAMP)
+	$(BIN)/tfcs-run -np 2 $(BIN)/python examples/collective_demo.py
+
+bench: $(STAMP)
+	$(BIN)/tfcs-bench -np 2 --op allreduce --sizes 8,4K,256K,4M,64M,256M --compare tf-ring,gloo \
+		--json bench-results/allreduce.json --plot docs/img/allreduce.png
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

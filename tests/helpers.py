@@ -1,0 +1,100 @@
+"""Helpers for multi-process tests: spawn real workers on loopback, collect their results in the parent.
+
+Workers are started with the ``spawn`` method, find each other through a coordinator on a free
+127.0.0.1 port, and send back either their return value or the formatted exception. Assertions are
+made by the test, in the parent process.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerFailed(AssertionError):
+    pass
+
+
+def _entry(fn, rank, size, port, env, args, q):
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(int(env.pop("_TFCS_TEST_DUMP_S", "600")), exit=False)
+    os.environ.update(env)
+    os.environ.update({"TFCS_RANK": str(rank), "TFCS_WORLD_SIZE": str(size), "TFCS_LOCAL_RANK": str(rank),
+                       "TFCS_COORDINATOR": f"127.0.0.1:{port}"})
+    try:
+        result = fn(rank, size, *args)
+        q.put((rank, True, pickle.dumps(result)))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        q.put((rank, False, pickle.dumps((type(e).__name__, str(e), traceback.format_exc()))))
+    finally:
+        try:
+            import tf_commstrategy as tfcs
+            tfcs.shutdown()
+        except Exception:
+            pass
+
+
+def run_workers(fn, size, *args, timeout=120.0, env=None, expect_failure=False):
+    """Run ``fn(rank, size, *args)`` in ``size`` fresh processes. Returns the list of results by rank.
+
+    With ``expect_failure`` returns ``{rank: ("ok", value) | ("error", (cls, msg, tb))}`` instead of raising.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    base_env = {"TFCS_TIMEOUT": "60", "TFCS_RENDEZVOUS_TIMEOUT": "60", "PYTHONFAULTHANDLER": "1",
+                "_TFCS_TEST_DUMP_S": str(int(timeout) + 5)}
+    base_env.update(env or {})
+    procs = [ctx.Process(target=_entry, args=(fn, r, size, port, dict(base_env), args, q), daemon=True)
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    results = {}
+    end = time.monotonic() + timeout
+    try:
+        while len(results) < size:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, blob = q.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs) and q.empty():
+                    break
+                continue
+            results[rank] = ("ok", pickle.loads(blob)) if ok else ("error", pickle.loads(blob))
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, min(20.0, end - time.monotonic() + 5)))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    missing = sorted(set(range(size)) - set(results))
+    if expect_failure:
+        for r in missing:
+            results[r] = ("missing", procs[r].exitcode)
+        return results
+    if missing:
+        raise WorkerFailed(f"ranks {missing} returned nothing within {timeout} s "
+                           f"(exit codes {[procs[r].exitcode for r in missing]})")
+    errors = {r: v for r, (k, v) in results.items() if k == "error"}
+    if errors:
+        text = "\n".join(f"--- rank {r}: {cls}: {msg}\n{tb}" for r, (cls, msg, tb) in sorted(errors.items()))
+        raise WorkerFailed(f"workers failed:\n{text}")
+    return [results[r][1] for r in range(size)]

@@ -1,0 +1,41 @@
+"""tf_commstrategy: data-parallel training across worker processes for TensorFlow / tf_keras.
+
+Layers (data flows downwards only):
+
+* Keras callbacks (``tf_commstrategy.callbacks``)
+* the TF layer: ``CommStrategy``, its cross-device ops, tensor conversion (``tf_commstrategy.tf``)
+* the collective core (``tf_commstrategy.core``, ``backends``, ``rendezvous``): numpy / cupy buffers,
+  no TensorFlow import.
+
+Importing this package does not import TensorFlow; the TF layer loads on first use.
+"""
+
+from .collectives import (allgather, allreduce, barrier, broadcast, grouped_allreduce, grouped_broadcast,
+                          reduce_scatter)
+from .core.reduce_ops import ReduceOp
+from .errors import (BackendUnavailableError, CollectiveAbortedError, CollectiveError,
+                     CollectiveMismatchError, CollectiveTimeoutError, ConfigurationError,
+                     NotInitializedError, PeerLostError, RendezvousError, TfcsError,
+                     UnsupportedOperationError)
+from .process import init, is_initialized, local_rank, local_size, rank, shutdown, size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "allreduce", "grouped_allreduce", "broadcast", "grouped_broadcast", "allgather", "reduce_scatter",
+    "barrier", "ReduceOp",
+    "TfcsError", "ConfigurationError", "NotInitializedError", "RendezvousError", "CollectiveError",
+    "CollectiveTimeoutError", "CollectiveMismatchError", "PeerLostError", "CollectiveAbortedError",
+    "BackendUnavailableError", "UnsupportedOperationError",
+]
+
+
+def __getattr__(name):  # lazy access to the TF layer, so `import tf_commstrategy` stays light
+    if name in ("CommStrategy", "CommOptions"):
+        from . import tf as _tf
+        return getattr(_tf, name)
+    if name == "callbacks":
+        import importlib
+        return importlib.import_module(".callbacks", __name__)
+    raise AttributeError(f"module 'tf_commstrategy' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""The "grpc" backend: ring collectives over gRPC streams, implemented by this project."""

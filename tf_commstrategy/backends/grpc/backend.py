@@ -1,0 +1,246 @@
+"""The "grpc" backend: the ring algorithms of ``core.ring`` over gRPC streams (numpy in, numpy out)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from ...core import ring
+from ...core.backend import Backend, register_backend
+from ...core.reduce_ops import ReduceOp
+from ...errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, TfcsError,
+                       UnsupportedOperationError)
+from . import transport, wire
+
+log = logging.getLogger("tf_commstrategy")
+
+
+class _Link:
+    """core.ring's link for one collective: adds seq + signature, enforces the deadline."""
+
+    def __init__(self, backend: "GrpcRingBackend", seq: int, sig: str, deadline: float, timeout: float):
+        self.rank = backend.rank
+        self.size = backend.size
+        self._b = backend
+        self._seq = seq
+        self._sig = sig.encode()
+        self._sig_text = sig
+        self._deadline = deadline
+        self._timeout = timeout
+        self._left = (self.rank - 1) % self.size
+
+    def send(self, key, payload) -> None:
+        self._b._right().send(wire.encode(self._seq, key[0], key[1], self.rank, self._sig, payload))
+
+    def recv(self, key):
+        item = self._b.mailbox.take((self._seq,) + tuple(key), self._deadline, self._left)
+        if item is None:
+            right = self._b._right_stream.broken() if self._b._right_stream else None
+            if right is not None:
+                raise right
+            raise CollectiveTimeoutError(
+                f"collective #{self._seq} [{self._sig_text}] timed out after {self._timeout:g} s at step "
+                f"{key[0]} chunk {key[1]}: rank {self._left} ({self._b.address_of(self._left)}) had not "
+                f"delivered its data", rank=self.rank, seq=self._seq, waiting_for=[self._left],
+                fix="a rank is missing, stuck, or calling a different sequence of collectives; check that "
+                    "every rank runs the same code path, or raise the deadline (timeout=, "
+                    "CommunicationOptions(timeout_seconds=...), TFCS_TIMEOUT)")
+        sig, payload = item
+        if sig != self._sig:
+            theirs = sig.decode(errors="replace")
+            raise CollectiveMismatchError(
+                f"collective #{self._seq} mismatch: this rank called [{self._sig_text}] but rank {self._left} "
+                f"called [{theirs}]", rank=self.rank, seq=self._seq, local_signature=self._sig_text,
+                remote_signature=theirs, remote_rank=self._left,
+                fix="every rank must issue the same collectives in the same order with the same op, dtype, "
+                    "shape and root")
+        return payload
+
+
+class GrpcRingBackend(Backend):
+    """Ring collectives over gRPC. One instance per process group."""
+
+    name = "grpc"
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self.chunk_bytes = group.chunk_bytes
+        self.mailbox = wire.Mailbox()
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._failed: Optional[BaseException] = None
+        self._right_stream: Optional[transport.PeerStream] = None
+        self._addresses: List[str] = []
+        self._server = None
+        if self.size > 1:
+            self._connect()
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        g = self.group
+        self._server = transport.DataServer(self.rank, self.size, f"{g.bind_host}:0", g.token,
+                                            self.mailbox, self.address_of)
+        me = f"{g.advertise_host}:{self._server.port}"
+        g.store.set(f"grpc/addr/{self.rank}", me)
+        self._addresses = [g.store.get(f"grpc/addr/{i}", g.rendezvous_timeout) for i in range(self.size)]
+        right = (self.rank + 1) % self.size
+        self._right_stream = transport.PeerStream(self._addresses[right], g.token, right, self.rank)
+
+    def address_of(self, rank: int) -> str:
+        return self._addresses[rank] if rank < len(self._addresses) else "?"
+
+    def _right(self) -> transport.PeerStream:
+        return self._right_stream
+
+    # -- running one collective ------------------------------------------------------------------
+    def _run(self, sig: str, timeout: Optional[float], body):
+        timeout = self.group.timeout if timeout is None else float(timeout)
+        with self._lock:
+            if self._failed is not None:
+                raise CollectiveError(f"the process group is unusable after an earlier error: {self._failed}",
+                                      rank=self.rank,
+                                      fix="shut down (tfcs.shutdown()) and restart the job; errors are not "
+                                          "recoverable inside one process group")
+            seq = self._seq
+            self._seq += 1
+            if self.size == 1:
+                return body(None)
+            link = _Link(self, seq, sig, time.monotonic() + timeout, timeout)
+            try:
+                return body(link)
+            except TfcsError as e:
+                self._fail(e, notify_peers=True)
+                raise
+            except Exception as e:
+                err = CollectiveError(f"collective #{seq} [{sig}] failed: {e!r}", rank=self.rank, seq=seq)
+                self._fail(err, notify_peers=True)
+                raise err from e
+
+    def _fail(self, error: BaseException, notify_peers: bool) -> None:
+        if self._failed is not None:
+            return
+        self._failed = error
+        self.mailbox.fail(error)
+        if notify_peers and self.size > 1:
+            from ...errors import CollectiveAbortedError
+            if isinstance(error, CollectiveAbortedError):
+                return  # it came from another rank, which notified everybody already
+            msg = f"{type(error).__name__}: {error}"
+            threads = [threading.Thread(target=transport.send_abort,
+                                        args=(a, self.group.token, self.rank, msg), daemon=True)
+                       for i, a in enumerate(self._addresses) if i != self.rank]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(3.0)
+
+    def abort(self, error: BaseException) -> None:
+        self._fail(error, notify_peers=True)
+
+    def _chunk_elems(self, dtype) -> int:
+        return max(1, self.chunk_bytes // np.dtype(dtype).itemsize)
+
+    # -- collectives -----------------------------------------------------------------------------
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, timeout=None) -> np.ndarray:
+        sig = f"allreduce op={op.value} dtype={buf.dtype} shape={tuple(buf.shape)}"
+        flat = np.array(buf, copy=True, order="C").reshape(-1)
+        ce = self._chunk_elems(buf.dtype)
+
+        def body(link):
+            if link is None:
+                return ring.allreduce(_Single(), flat, op, ce).reshape(buf.shape)
+            return ring.allreduce(link, flat, op, ce).reshape(buf.shape)
+        return self._run(sig, timeout, body)
+
+    def reduce_scatter(self, buf: np.ndarray, op: ReduceOp, timeout=None) -> np.ndarray:
+        if buf.ndim == 0:
+            raise UnsupportedOperationError("reduce_scatter needs at least one dimension to split",
+                                            rank=self.rank, fix="reshape the scalar to shape (1,)")
+        sig = f"reduce_scatter op={op.value} dtype={buf.dtype} shape={tuple(buf.shape)}"
+        flat = np.array(buf, copy=True, order="C").reshape(-1)
+        rows = buf.shape[0]
+        row_elems = int(np.prod(buf.shape[1:], dtype=np.int64))
+        ce = self._chunk_elems(buf.dtype)
+
+        def body(link):
+            lo, hi = ring.reduce_scatter(link or _Single(), flat, op, rows, row_elems, ce)
+            return flat[lo:hi].reshape((-1,) + tuple(buf.shape[1:])).copy()
+        return self._run(sig, timeout, body)
+
+    def broadcast(self, buf: np.ndarray, root: int, timeout=None) -> np.ndarray:
+        sig = f"broadcast root={root} dtype={buf.dtype} shape={tuple(buf.shape)}"
+        flat = np.array(buf, copy=True, order="C").reshape(-1)
+        ce = self._chunk_elems(buf.dtype)
+
+        def body(link):
+            return ring.broadcast(link or _Single(), flat, root, ce).reshape(buf.shape)
+        return self._run(sig, timeout, body)
+
+    def allgather(self, buf: np.ndarray, timeout=None) -> np.ndarray:
+        if buf.ndim == 0:
+            buf = buf.reshape(1)
+        trailing = tuple(buf.shape[1:])
+        counts = self._allgather_counts(buf.shape[0], trailing, buf.dtype, timeout)
+        row = int(np.prod(trailing, dtype=np.int64))
+        elems = [c * row for c in counts]
+        out = np.empty(sum(elems), dtype=buf.dtype)
+        off = sum(elems[:self.rank])
+        out[off:off + elems[self.rank]] = buf.reshape(-1)
+        sig = f"allgather dtype={buf.dtype} trailing={trailing} rows={counts}"
+        ce = self._chunk_elems(buf.dtype)
+
+        def body(link):
+            return ring.allgather(link or _Single(), out, elems, ce).reshape((sum(counts),) + trailing)
+        return self._run(sig, timeout, body)
+
+    def _allgather_counts(self, rows: int, trailing, dtype, timeout) -> List[int]:
+        mine = np.zeros(self.size, dtype=np.int64)
+        mine[self.rank] = rows
+        sig = f"allgather-sizes dtype={np.dtype(dtype)} trailing={trailing}"
+
+        def body(link):
+            if link is None:
+                return mine
+            return ring.allreduce(link, mine, ReduceOp.SUM, self._chunk_elems(np.int64))
+        return [int(c) for c in self._run(sig, timeout, body)]
+
+    def barrier(self, timeout=None) -> None:
+        token = np.ones(1, dtype=np.int32)
+
+        def body(link):
+            if link is not None:
+                ring.allreduce(link, token, ReduceOp.SUM, 1)
+        self._run("barrier", timeout, body)
+
+    def batch_allgather(self, bufs: Sequence, timeout=None) -> List:
+        return [self.allgather(b, timeout) for b in bufs]
+
+    def accepts(self, buf) -> bool:
+        return isinstance(buf, np.ndarray)
+
+    def stats(self) -> dict:
+        return {"seq": self._seq, "pending_messages": self.mailbox.pending()}
+
+    def close(self) -> None:
+        if self._right_stream is not None:
+            self._right_stream.close()
+            self._right_stream = None
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+class _Single:
+    """The link of a world of one: ring functions then do no communication at all."""
+    rank = 0
+    size = 1
+
+
+register_backend("grpc", GrpcRingBackend)

@@ -1,0 +1,120 @@
+"""Data-message framing and the receive mailbox of the gRPC ring.
+
+A data message is one raw-bytes gRPC stream message::
+
+    header (struct HEADER) | signature (utf-8, sig_len bytes) | payload (raw array bytes)
+
+The header names the collective's sequence number, the ring step and chunk index (together: the
+mailbox key), and the sender's rank. Every message carries the collective's signature, so a receiver
+detects a mismatched call at its first message instead of reducing garbage or waiting forever.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from typing import Dict, Optional, Tuple
+
+from ...errors import CollectiveError, PeerLostError
+
+MAGIC = b"TFCS"
+VERSION = 1
+HEADER = struct.Struct("<4sBQIIIH")  # magic, version, seq, step, chunk, sender, sig_len
+BYE_STEP = 0xFFFFFFFF               # sender closes its stream cleanly (shutdown)
+
+Key = Tuple[int, int, int]           # (seq, step, chunk)
+
+
+class MalformedMessage(ValueError):
+    pass
+
+
+def encode(seq: int, step: int, chunk: int, sender: int, sig: bytes, payload) -> bytes:
+    """One copy: header, signature and payload joined into the bytes object gRPC sends."""
+    return b"".join((HEADER.pack(MAGIC, VERSION, seq, step, chunk, sender, len(sig)), sig, payload))
+
+
+def encode_bye(sender: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, 0, BYE_STEP, 0, sender, 0)
+
+
+def decode(msg: bytes, world_size: int):
+    """Returns (seq, step, chunk, sender, sig, payload memoryview) or raises MalformedMessage."""
+    if len(msg) < HEADER.size:
+        raise MalformedMessage(f"message of {len(msg)} bytes is shorter than the {HEADER.size}-byte header")
+    magic, version, seq, step, chunk, sender, sig_len = HEADER.unpack_from(msg)
+    if magic != MAGIC or version != VERSION:
+        raise MalformedMessage(f"bad magic/version {magic!r}/{version}")
+    if sender >= world_size:
+        raise MalformedMessage(f"sender rank {sender} outside world of {world_size}")
+    end = HEADER.size + sig_len
+    if end > len(msg):
+        raise MalformedMessage("signature runs past the end of the message")
+    view = memoryview(msg)
+    return seq, step, chunk, sender, bytes(view[HEADER.size:end]), view[end:]
+
+
+class Mailbox:
+    """Messages that arrived from peers, keyed by (seq, step, chunk); takers wait with a deadline.
+
+    ``fail`` poisons the mailbox: every current and future ``take`` raises that error. A peer's
+    stream that closes (cleanly or not) is recorded, so a take waiting on that peer fails at once.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._msgs: Dict[Key, Tuple[bytes, memoryview]] = {}
+        self._error: Optional[BaseException] = None
+        self._gone: Dict[int, BaseException] = {}
+
+    def deposit(self, key: Key, sig: bytes, payload: memoryview) -> None:
+        with self._cv:
+            self._msgs[key] = (sig, payload)
+            self._cv.notify_all()
+
+    def take(self, key: Key, deadline: float, sender: int):
+        """Wait for ``key`` from ``sender`` until ``deadline`` (time.monotonic()).
+
+        Returns (sig, payload) or None on timeout. Raises the poisoning error, or the peer's
+        PeerLostError if its stream ended before the message came.
+        """
+        with self._cv:
+            while True:
+                item = self._msgs.pop(key, None)
+                if item is not None:
+                    return item
+                if self._error is not None:
+                    raise self._error
+                if sender in self._gone:
+                    raise self._gone[sender]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(min(left, 1.0))
+
+    def fail(self, error: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = error
+            self._cv.notify_all()
+
+    def peer_gone(self, rank: int, error: PeerLostError) -> None:
+        with self._cv:
+            self._gone.setdefault(rank, error)
+            self._cv.notify_all()
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._msgs)
+
+
+def raise_from_error(err: BaseException):
+    """Re-raise a stored collective error as a fresh instance of the same class when possible."""
+    if isinstance(err, CollectiveError):
+        raise err
+    raise CollectiveError(str(err))

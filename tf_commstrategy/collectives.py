@@ -1,0 +1,156 @@
+"""The direct collective API, usable without any strategy: ``tfcs.allreduce(x)`` and friends.
+
+Arguments are validated here, then the chosen backend moves the data. numpy arrays (and anything
+``np.asarray`` accepts) come back as numpy arrays; ``tf.Tensor`` inputs are handled by the TF layer
+(``tf_commstrategy.tf.tensor_ops``) and come back as tensors, eagerly and inside ``tf.function``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from .core.backend import normalize_backend_name
+from .core.reduce_ops import ReduceOp, check_dtype
+from .errors import ConfigurationError, UnsupportedOperationError
+from .process import default_group
+
+
+def _is_tf(x) -> bool:
+    return type(x).__module__.startswith("tensorflow")
+
+
+def _is_device_array(x) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def _as_array(x, what: str):
+    if _is_device_array(x):
+        return x
+    if isinstance(x, np.ndarray):
+        arr = x
+    else:
+        try:
+            arr = np.asarray(x)
+        except Exception as e:
+            raise UnsupportedOperationError(f"{what} got a {type(x).__name__} that is not an array ({e})",
+                                            fix="pass a numpy array, a tf.Tensor or a cupy array") from None
+    if arr.dtype == object:
+        raise UnsupportedOperationError(f"{what} got an object array", fix="pass a numeric array")
+    return arr
+
+
+def _backend(name, buf):
+    return default_group().resolve_backend(name, buf)
+
+
+def _check_root(root_rank: int) -> int:
+    n = default_group().size
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < n:
+        raise ConfigurationError(f"root_rank={root_rank!r} is not a rank of this job of {n}",
+                                 rank=default_group().rank, fix=f"use a root in 0..{n - 1}")
+    return int(root_rank)
+
+
+def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """Reduce ``x`` over all workers; every worker gets the result.
+
+    Args:
+      x: numpy array (or array-like), tf.Tensor, or cupy array; same shape and dtype on every rank.
+      op: "sum" | "mean" | "min" | "max" | "prod" (or ``tf.distribute.ReduceOp``). Integer means floor.
+      backend: "grpc" | "nccl" | "auto" for this call only (default: the group's backend).
+      timeout: deadline in seconds for this call (default: the group's, ``TFCS_TIMEOUT``).
+
+    Returns:
+      An array of the same type, shape and dtype as ``x``.
+
+    Raises:
+      UnsupportedOperationError: dtype/op combination not supported (e.g. sum of bools).
+      CollectiveMismatchError: ranks disagree on op, dtype or shape.
+      CollectiveTimeoutError, PeerLostError: a peer did not deliver / died.
+    """
+    if _is_tf(x):
+        from .tf import tensor_ops
+        return tensor_ops.allreduce(x, op, backend=backend, timeout=timeout)
+    op = ReduceOp.parse(op)
+    arr = _as_array(x, "allreduce")
+    check_dtype(arr.dtype, op)
+    return _backend(backend, arr).allreduce(arr, op, timeout)
+
+
+def grouped_allreduce(xs: Sequence, op="sum", *, backend: Optional[str] = None,
+                      timeout: Optional[float] = None) -> List:
+    """Allreduce a list of arrays as one fused transfer per dtype. Same arguments as ``allreduce``."""
+    if xs and _is_tf(xs[0]):
+        from .tf import tensor_ops
+        return tensor_ops.grouped_allreduce(list(xs), op, backend=backend, timeout=timeout)
+    op = ReduceOp.parse(op)
+    arrs = [_as_array(x, "grouped_allreduce") for x in xs]
+    if not arrs:
+        return []
+    for a in arrs:
+        check_dtype(a.dtype, op)
+    return _backend(backend, arrs[0]).batch_allreduce(arrs, op, timeout)
+
+
+def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """Return root's ``x`` on every worker (same shape and dtype required on every rank).
+
+    Raises:
+      ConfigurationError: ``root_rank`` is not a rank of the job.
+      CollectiveMismatchError, CollectiveTimeoutError, PeerLostError: as for ``allreduce``.
+    """
+    if _is_tf(x):
+        from .tf import tensor_ops
+        return tensor_ops.broadcast(x, root_rank, backend=backend, timeout=timeout)
+    root = _check_root(root_rank)
+    arr = _as_array(x, "broadcast")
+    check_dtype(arr.dtype)
+    return _backend(backend, arr).broadcast(arr, root, timeout)
+
+
+def grouped_broadcast(xs: Sequence, root_rank: int = 0, *, backend: Optional[str] = None,
+                      timeout: Optional[float] = None) -> List:
+    """Broadcast a list of arrays from ``root_rank`` as one fused transfer per dtype."""
+    root = _check_root(root_rank)
+    arrs = [_as_array(x, "grouped_broadcast") for x in xs]
+    if not arrs:
+        return []
+    for a in arrs:
+        check_dtype(a.dtype)
+    return _backend(backend, arrs[0]).batch_broadcast(arrs, root, timeout)
+
+
+def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """Concatenate every worker's ``x`` along axis 0, in rank order. First dimensions may differ;
+    the other dimensions and the dtype must match. A scalar counts as shape (1,).
+
+    Raises:
+      CollectiveMismatchError: trailing dimensions or dtypes differ between ranks.
+    """
+    if _is_tf(x):
+        from .tf import tensor_ops
+        return tensor_ops.allgather(x, backend=backend, timeout=timeout)
+    arr = _as_array(x, "allgather")
+    check_dtype(arr.dtype)
+    return _backend(backend, arr).allgather(arr, timeout)
+
+
+def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """Reduce ``x`` over all workers, then give rank r the r-th piece of axis 0, split as
+    ``np.array_split(result, size())`` does (the first ``len % size`` ranks get one extra row)."""
+    if _is_tf(x):
+        from .tf import tensor_ops
+        return tensor_ops.reduce_scatter(x, op, backend=backend, timeout=timeout)
+    op = ReduceOp.parse(op)
+    arr = _as_array(x, "reduce_scatter")
+    check_dtype(arr.dtype, op)
+    return _backend(backend, arr).reduce_scatter(arr, op, timeout)
+
+
+def barrier(*, backend: Optional[str] = None, timeout: Optional[float] = None) -> None:
+    """Return once every worker has called ``barrier``."""
+    g = default_group()
+    name = normalize_backend_name(backend) or g.default_backend
+    g.backend("grpc" if name == "auto" else name).barrier(timeout)

@@ -1,0 +1,73 @@
+"""Settings read from ``TFCS_*`` environment variables, at the moment objects are built (never at import).
+
+Precedence everywhere in the package: explicit argument > per-call options > strategy default >
+``TFCS_*`` environment variable > built-in default. This module covers the last two layers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Mapping, Optional, TypeVar
+
+from .errors import ConfigurationError
+
+T = TypeVar("T")
+
+#: Built-in defaults, documented in docs/usage.md.
+DEFAULT_TIMEOUT_S = 300.0          # collective deadline
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
+DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit
+DEFAULT_BACKEND = "auto"
+
+_SIZE_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+                "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'8' -> 8, '4K' -> 4096, '64M' -> 67108864, '1GiB' -> 1073741824."""
+    s = str(text).strip().upper()
+    num = s.rstrip("KMGIB")
+    suffix = s[len(num):]
+    if not num or suffix not in _SIZE_SUFFIX:
+        raise ConfigurationError(f"cannot parse size {text!r}", fix="write e.g. 8, 4K, 256K, 4M, 1G")
+    try:
+        return int(float(num) * _SIZE_SUFFIX[suffix])
+    except ValueError:
+        raise ConfigurationError(f"cannot parse size {text!r}", fix="write e.g. 8, 4K, 256K, 4M, 1G") from None
+
+
+def env_value(name: str, parse: Callable[[str], T], default: T,
+              environ: Optional[Mapping[str, str]] = None) -> T:
+    """Read ``name`` from the environment and parse it, with an error that names the variable."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return parse(raw)
+    except (ValueError, ConfigurationError) as e:
+        raise ConfigurationError(f"environment variable {name}={raw!r} is invalid ({e})",
+                                 fix=f"unset {name} or give it a valid value") from None
+
+
+def timeout_from_env(environ=None) -> float:
+    return env_value("TFCS_TIMEOUT", _positive_float, DEFAULT_TIMEOUT_S, environ)
+
+
+def rendezvous_timeout_from_env(environ=None) -> float:
+    return env_value("TFCS_RENDEZVOUS_TIMEOUT", _positive_float, DEFAULT_RENDEZVOUS_TIMEOUT_S, environ)
+
+
+def chunk_bytes_from_env(environ=None) -> int:
+    return env_value("TFCS_CHUNK_BYTES", parse_size, DEFAULT_CHUNK_BYTES, environ)
+
+
+def backend_from_env(environ=None) -> str:
+    return env_value("TFCS_BACKEND", lambda s: s.strip().lower(), DEFAULT_BACKEND, environ)
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise ValueError("must be > 0")
+    return v

@@ -1,0 +1,34 @@
+"""The "auto" backend policy: GPU buffers go to nccl when it can run here, everything else to grpc."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("tf_commstrategy")
+_announced = set()
+
+
+def is_gpu_buffer(buf) -> bool:
+    mod = type(buf).__module__.split(".")[0]
+    if mod == "cupy":
+        return True
+    dev = getattr(buf, "device", None)  # a tf.Tensor's device string, e.g. '/job:.../device:GPU:0'
+    return isinstance(dev, str) and "GPU" in dev.upper()
+
+
+def choose(group, buf) -> str:
+    """Name of the backend "auto" uses for ``buf``; says once per choice at INFO which one it took."""
+    name = "grpc"
+    why = "CPU buffer"
+    if is_gpu_buffer(buf):
+        from ..core.backend import _FACTORIES
+        probe = getattr(_FACTORIES.get("nccl"), "availability", None)
+        problem = probe() if probe is not None else "the nccl backend is not installed"
+        if problem is None:
+            name, why = "nccl", "GPU buffer"
+        else:
+            why = f"GPU buffer, but nccl cannot run ({problem})"
+    if (name, why) not in _announced:
+        _announced.add((name, why))
+        log.info("tf_commstrategy rank %d: backend 'auto' chose %s (%s)", group.rank, name, why)
+    return name

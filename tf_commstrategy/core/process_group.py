@@ -1,0 +1,133 @@
+"""The process group: who we are, how to reach the others, and the backends built on top.
+
+One ``ProcessGroup`` per job per process is the usual case (the module-level default behind
+``tfcs.init``), but the class holds no global state, so tests may build several in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Dict, Optional
+
+from .. import config
+from ..errors import ConfigurationError
+from ..rendezvous import rendezvous as rdv
+from ..rendezvous.cluster_env import ClusterSpec, split_host_port
+from .backend import Backend, factory_for, normalize_backend_name
+
+log = logging.getLogger("tf_commstrategy")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSettings:
+    """Everything that identifies a process group; ``init`` twice must give equal settings."""
+
+    rank: int
+    world_size: int
+    local_rank: Optional[int]
+    coordinator: Optional[str]
+    backend: str
+    timeout: float
+    rendezvous_timeout: float
+    chunk_bytes: int
+    bind_host: Optional[str]
+    advertise_host: Optional[str]
+    token: Optional[str] = dataclasses.field(repr=False, default=None)
+
+    @classmethod
+    def resolve(cls, spec: ClusterSpec, backend=None, timeout=None, rendezvous_timeout=None,
+                chunk_bytes=None, bind_host=None, advertise_host=None, token=None, environ=None):
+        env = os.environ if environ is None else environ
+        b = normalize_backend_name(backend) or normalize_backend_name(config.backend_from_env(env))
+        return cls(
+            rank=spec.rank, world_size=spec.world_size, local_rank=spec.local_rank,
+            coordinator=spec.coordinator, backend=b,
+            timeout=float(timeout) if timeout is not None else config.timeout_from_env(env),
+            rendezvous_timeout=(float(rendezvous_timeout) if rendezvous_timeout is not None
+                                else config.rendezvous_timeout_from_env(env)),
+            chunk_bytes=int(chunk_bytes) if chunk_bytes is not None else config.chunk_bytes_from_env(env),
+            bind_host=bind_host or env.get("TFCS_BIND_HOST") or None,
+            advertise_host=advertise_host or env.get("TFCS_ADVERTISE_HOST") or None,
+            token=token if token is not None else (env.get("TFCS_TOKEN") or None),
+        )
+
+
+class ProcessGroup:
+    """A joined job: rank, size, the coordinator store, and lazily built backends."""
+
+    def __init__(self, settings: GroupSettings):
+        if settings.timeout <= 0 or settings.chunk_bytes <= 0:
+            raise ConfigurationError(f"timeout={settings.timeout} and chunk_bytes={settings.chunk_bytes} "
+                                     "must be positive", fix="pass positive values")
+        self.settings = settings
+        self.rank = settings.rank
+        self.size = settings.world_size
+        self.timeout = settings.timeout
+        self.rendezvous_timeout = settings.rendezvous_timeout
+        self.chunk_bytes = settings.chunk_bytes
+        self.token = settings.token
+        coord_host = split_host_port(settings.coordinator)[0] if settings.coordinator else "127.0.0.1"
+        self.bind_host = settings.bind_host or rdv.default_bind_host(coord_host)
+        self.advertise_host = settings.advertise_host or rdv.default_advertise_host(coord_host)
+        spec = ClusterSpec(settings.rank, settings.world_size, settings.local_rank, settings.coordinator, "")
+        self._rdv = rdv.join(spec, self.token, self.rendezvous_timeout, settings.bind_host)
+        self.store = self._rdv.store
+        self.workers = self._rdv.workers
+        self.local_rank = self._rdv.local_rank
+        self.local_size = self._rdv.local_size
+        self._backends: Dict[str, Backend] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.default_backend = settings.backend
+
+    def backend(self, name: str) -> Backend:
+        """The backend registered as ``name`` ("grpc", "nccl"), built on first use (a collective step:
+        every rank must ask for the same backend at the same point)."""
+        name = normalize_backend_name(name)
+        if name == "auto":
+            raise ConfigurationError("'auto' is a policy, not a backend", fix="use resolve_backend()")
+        with self._lock:
+            if self._closed:
+                from ..errors import NotInitializedError
+                raise NotInitializedError("the process group was shut down", rank=self.rank,
+                                          fix="call tfcs.init() again")
+            b = self._backends.get(name)
+            if b is None:
+                b = factory_for(name)(self)
+                self._backends[name] = b
+                log.debug("tf_commstrategy rank %d: backend %s ready", self.rank, name)
+            return b
+
+    def resolve_backend(self, name: Optional[str], buf) -> Backend:
+        """Explicit name > the group's default; "auto" picks nccl for GPU buffers when it can run."""
+        name = normalize_backend_name(name) or self.default_backend
+        if name != "auto":
+            return self.backend(name)
+        from .auto import choose
+        return self.backend(choose(self, buf))
+
+    def abort(self, error: BaseException) -> None:
+        for b in list(self._backends.values()):
+            b.abort(error)
+
+    def shutdown(self, barrier_timeout: float = 30.0) -> None:
+        """Leave the job: wait (bounded) for the others, close backends, stop the coordinator last."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        failed = any(getattr(b, "_failed", None) is not None for b in self._backends.values())
+        if self.store is not None and not failed:
+            try:
+                self.store.barrier("shutdown", self.size, barrier_timeout)
+            except Exception as e:  # a dead peer must not block our exit
+                log.warning("tf_commstrategy rank %d: shutdown barrier incomplete: %s", self.rank, e)
+        for b in self._backends.values():
+            try:
+                b.close()
+            except Exception as e:  # pragma: no cover
+                log.warning("tf_commstrategy rank %d: closing backend %s: %s", self.rank, b.name, e)
+        self._rdv.close()

@@ -1,0 +1,103 @@
+"""Reduction operations and the dtypes they accept, on numpy buffers (no framework imports)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Union
+
+import numpy as np
+
+from ..errors import ConfigurationError, UnsupportedOperationError
+
+try:  # bfloat16 comes from ml_dtypes (a TensorFlow dependency, also installed by this package)
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency
+    BFLOAT16 = None
+
+
+class ReduceOp(str, enum.Enum):
+    """How values from all ranks are combined."""
+
+    SUM = "sum"
+    MEAN = "mean"
+    MIN = "min"
+    MAX = "max"
+    PROD = "prod"
+
+    @classmethod
+    def parse(cls, op: Union[str, "ReduceOp"]) -> "ReduceOp":
+        if isinstance(op, ReduceOp):
+            return op
+        name = getattr(op, "name", op)  # accepts tf.distribute.ReduceOp.SUM / MEAN too
+        try:
+            return cls(str(name).lower())
+        except ValueError:
+            raise ConfigurationError(
+                f"unknown reduction op {op!r}",
+                fix=f"use one of {[o.value for o in cls]}") from None
+
+
+_SUPPORTED = {
+    np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
+    np.dtype(np.int8), np.dtype(np.uint8), np.dtype(np.int32), np.dtype(np.int64),
+    np.dtype(np.bool_),
+}
+if BFLOAT16 is not None:
+    _SUPPORTED.add(BFLOAT16)
+
+_LOW_PRECISION = {np.dtype(np.float16)} | ({BFLOAT16} if BFLOAT16 is not None else set())
+
+
+def supported_dtypes():
+    """The dtypes every collective accepts (bool only for min / max and data movement)."""
+    return sorted(_SUPPORTED, key=str)
+
+
+def check_dtype(dtype: np.dtype, op: ReduceOp = None) -> None:
+    dtype = np.dtype(dtype)
+    if dtype not in _SUPPORTED:
+        raise UnsupportedOperationError(
+            f"dtype {dtype} is not supported",
+            fix=f"cast to one of {[str(d) for d in supported_dtypes()]}")
+    if dtype == np.bool_ and op not in (None, ReduceOp.MIN, ReduceOp.MAX):
+        raise UnsupportedOperationError(
+            f"op {op.value!r} is not defined for bool tensors (only min and max are)",
+            fix="cast to an integer dtype first, or use op='max' (logical or) / 'min' (logical and)")
+
+
+def combine_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
+    """``dst = dst (op) src`` in place. float16/bfloat16 sums and products are computed in float32."""
+    if op is ReduceOp.MEAN:
+        op = ReduceOp.SUM  # mean = sum, then one division at the end
+    if dst.dtype in _LOW_PRECISION and op in (ReduceOp.SUM, ReduceOp.PROD):
+        acc = dst.astype(np.float32)
+        if op is ReduceOp.SUM:
+            np.add(acc, src.astype(np.float32), out=acc)
+        else:
+            np.multiply(acc, src.astype(np.float32), out=acc)
+        dst[...] = acc
+        return
+    if op is ReduceOp.SUM:
+        np.add(dst, src, out=dst)
+    elif op is ReduceOp.PROD:
+        np.multiply(dst, src, out=dst)
+    elif op is ReduceOp.MIN:
+        np.minimum(dst, src, out=dst)
+    elif op is ReduceOp.MAX:
+        np.maximum(dst, src, out=dst)
+    else:  # pragma: no cover
+        raise ConfigurationError(f"unknown op {op}")
+
+
+def finish_mean(buf: np.ndarray, world_size: int) -> None:
+    """Turn a sum into a mean in place. Integers use floor division (documented)."""
+    if world_size == 1:
+        return
+    if np.issubdtype(buf.dtype, np.integer):
+        np.floor_divide(buf, world_size, out=buf)
+    elif buf.dtype in _LOW_PRECISION:
+        buf[...] = buf.astype(np.float32) / np.float32(world_size)
+    else:
+        np.divide(buf, buf.dtype.type(world_size), out=buf)

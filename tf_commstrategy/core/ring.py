@@ -1,0 +1,157 @@
+"""Ring algorithms over a link to the two ring neighbours, independent of the transport.
+
+A *link* sends to the right neighbour ((rank + 1) % size) and receives from the left one::
+
+    link.rank, link.size
+    link.send(key, payload_uint8_view)   # copies (or writes) the bytes before returning
+    link.recv(key) -> bytes-like         # blocks until that key arrives (deadline inside the link)
+
+``key`` is ``(step, chunk)``; the link adds the collective's sequence number and signature.
+
+Every ring step moves at least one message (an empty chunk for empty segments), so ranks that
+disagree about a collective meet a signature check on the very first message.
+
+Pipelining: the buffer is cut into ``size`` segments and each segment into chunks. A chunk received
+and reduced at step s is sent on at step s + 1 straight away, so reduction of one chunk overlaps the
+transfer of the next ones and the whole all-reduce is one stream of chunk sends per rank.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from .reduce_ops import ReduceOp, combine_into, finish_mean
+
+
+def chunk_ranges(lo: int, hi: int, chunk_elems: int) -> List[Tuple[int, int]]:
+    """[lo, hi) in pieces of at most chunk_elems; an empty range still yields one empty piece."""
+    if hi <= lo:
+        return [(lo, lo)]
+    return [(a, min(a + chunk_elems, hi)) for a in range(lo, hi, chunk_elems)]
+
+
+def even_bounds(n: int, parts: int) -> List[int]:
+    return [i * n // parts for i in range(parts + 1)]
+
+
+def array_split_bounds(rows: int, parts: int) -> List[int]:
+    """Row bounds with np.array_split's rule: the first rows % parts pieces get one extra row."""
+    base, extra = divmod(rows, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def _as_bytes(a: np.ndarray):
+    return a.view(np.uint8) if a.size else b""
+
+
+def _incoming(link, key, dtype, expect: int) -> np.ndarray:
+    payload = link.recv(key)
+    arr = np.frombuffer(payload, dtype=dtype)
+    if arr.size != expect:
+        raise CollectiveMismatchError(
+            f"received {arr.size} elements for step {key[0]} chunk {key[1]} from rank "
+            f"{(link.rank - 1) % link.size}, expected {expect}",
+            rank=link.rank, fix="every rank must pass buffers of the same shape and dtype")
+    return arr
+
+
+def _reduce_scatter_steps(link, flat: np.ndarray, op: ReduceOp, chunks: Sequence, then_send_final: bool):
+    """Ring reduce-scatter in place: afterwards rank r holds the reduction of segment r.
+
+    Step s sends segment (r - s - 1) and receives + reduces segment (r - s - 2).
+    When ``then_send_final`` the reduced segment r is sent as the first all-gather step.
+    """
+    W, r = link.size, link.rank
+    for c, (a, b) in enumerate(chunks[(r - 1) % W]):
+        link.send((0, c), _as_bytes(flat[a:b]))
+    for s in range(W - 1):
+        seg = (r - s - 2) % W
+        last = s == W - 2
+        for c, (a, b) in enumerate(chunks[seg]):
+            incoming = _incoming(link, (s, c), flat.dtype, b - a)
+            dst = flat[a:b]
+            combine_into(dst, incoming, op)
+            if not last or then_send_final:
+                link.send((s + 1, c), _as_bytes(dst))
+
+
+def _allgather_steps(link, flat: np.ndarray, chunks: Sequence, step0: int, send_first: bool):
+    """Ring all-gather in place: rank r starts holding segment r and ends holding all of them.
+
+    Step t sends segment (r - t) and receives segment (r - t - 1) (copy). Global step ids start at step0.
+    """
+    W, r = link.size, link.rank
+    if send_first:
+        for c, (a, b) in enumerate(chunks[r]):
+            link.send((step0, c), _as_bytes(flat[a:b]))
+    for t in range(W - 1):
+        seg = (r - t - 1) % W
+        for c, (a, b) in enumerate(chunks[seg]):
+            incoming = _incoming(link, (step0 + t, c), flat.dtype, b - a)
+            flat[a:b] = incoming
+            if t < W - 2:
+                link.send((step0 + t + 1, c), _as_bytes(flat[a:b]))
+
+
+def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int) -> np.ndarray:
+    """In-place ring all-reduce of a 1-D contiguous array; returns it."""
+    W = link.size
+    if W > 1:
+        bounds = even_bounds(flat.size, W)
+        chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems) for i in range(W)]
+        _reduce_scatter_steps(link, flat, op, chunks, then_send_final=True)
+        _allgather_steps(link, flat, chunks, step0=W - 1, send_first=False)
+    if op is ReduceOp.MEAN:
+        finish_mean(flat, W)
+    return flat
+
+
+def reduce_scatter(link, flat: np.ndarray, op: ReduceOp, rows: int, row_elems: int,
+                   chunk_elems: int) -> Tuple[int, int]:
+    """In-place ring reduce-scatter along rows; returns rank's element range [lo, hi) of ``flat``."""
+    W, r = link.size, link.rank
+    bounds = [b * row_elems for b in array_split_bounds(rows, W)]
+    if W > 1:
+        chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems) for i in range(W)]
+        _reduce_scatter_steps(link, flat, op, chunks, then_send_final=False)
+    lo, hi = bounds[r], bounds[r + 1]
+    if op is ReduceOp.MEAN:
+        finish_mean(flat[lo:hi], W)
+    return lo, hi
+
+
+def allgather(link, out: np.ndarray, elem_counts: Sequence[int], chunk_elems: int) -> np.ndarray:
+    """Ring all-gather of variable-size blocks: ``out`` already holds this rank's block at its offset."""
+    W = link.size
+    if W > 1:
+        offs = [0]
+        for n in elem_counts:
+            offs.append(offs[-1] + n)
+        chunks = [chunk_ranges(offs[i], offs[i + 1], chunk_elems) for i in range(W)]
+        _allgather_steps(link, out, chunks, step0=0, send_first=True)
+    return out
+
+
+def broadcast(link, flat: np.ndarray, root: int, chunk_elems: int) -> np.ndarray:
+    """Pipelined broadcast along the ring from ``root``, in place."""
+    W, r = link.size, link.rank
+    if W == 1:
+        return flat
+    chunks = chunk_ranges(0, flat.size, chunk_elems)
+    right_is_root = (r + 1) % W == root
+    if r == root:
+        for c, (a, b) in enumerate(chunks):
+            link.send((0, c), _as_bytes(flat[a:b]))
+        return flat
+    for c, (a, b) in enumerate(chunks):
+        incoming = _incoming(link, (0, c), flat.dtype, b - a)
+        flat[a:b] = incoming
+        if not right_is_root:
+            link.send((0, c), _as_bytes(flat[a:b]))
+    return flat

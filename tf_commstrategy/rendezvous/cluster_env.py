@@ -1,0 +1,197 @@
+"""Where a worker learns its rank, the world size, its local rank and the coordinator's address.
+
+Sources, first match wins (each field given explicitly always overrides):
+
+1. explicit arguments to :func:`tf_commstrategy.init`;
+2. ``TFCS_RANK``, ``TFCS_WORLD_SIZE``, ``TFCS_LOCAL_RANK``, ``TFCS_COORDINATOR`` (``tfcs-run`` sets these);
+3. ``TF_CONFIG`` (Kubernetes / Kubeflow TFJob): ranks are chief first, then workers in order; the
+   chief (or worker 0) hosts the coordinator on its own cluster-spec address;
+4. Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``): coordinator on the first host of
+   ``SLURM_JOB_NODELIST``, port ``TFCS_COORDINATOR_PORT`` or ``29400 + SLURM_JOB_ID % 1000``;
+5. Open MPI (``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``): coordinator from ``TFCS_COORDINATOR``
+   or ``MASTER_ADDR``/``MASTER_PORT`` (mpirun knows no host to use);
+6. torchrun style ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+
+Nothing found means a single process (rank 0 of 1), which needs no coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Mapping, Optional
+
+from ..errors import ConfigurationError
+
+DEFAULT_SLURM_BASE_PORT = 29400
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    rank: int
+    world_size: int
+    local_rank: Optional[int]  # None: derived from the hostnames during the rendezvous
+    coordinator: Optional[str]  # "host:port"; None only when world_size == 1
+    source: str                 # which source supplied rank / size, for logs and errors
+
+    def validate(self) -> "ClusterSpec":
+        if self.world_size < 1:
+            raise ConfigurationError(f"world size is {self.world_size} (from {self.source})",
+                                     fix="world size must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigurationError(
+                f"rank {self.rank} is outside [0, {self.world_size}) (from {self.source})",
+                fix="give each worker a distinct rank in 0..world_size-1")
+        if self.local_rank is not None and self.local_rank < 0:
+            raise ConfigurationError(f"local rank is {self.local_rank} (from {self.source})",
+                                     fix="local rank must be >= 0")
+        if self.world_size > 1:
+            if not self.coordinator:
+                raise ConfigurationError(
+                    f"no coordinator address for a job of {self.world_size} workers (from {self.source})",
+                    fix="set TFCS_COORDINATOR=host:port (the host of rank 0) or pass coordinator= to init()")
+            split_host_port(self.coordinator)
+        return self
+
+
+def split_host_port(address: str):
+    """'host:port' / '[v6]:port' -> (host, port) with a clear error."""
+    m = re.fullmatch(r"\[?([^\[\]]+?)\]?:(\d+)", str(address).strip())
+    if not m:
+        raise ConfigurationError(f"coordinator address {address!r} is not host:port",
+                                 fix="write it as host:port, e.g. 10.0.0.1:29400")
+    port = int(m.group(2))
+    if not 0 < port < 65536:
+        raise ConfigurationError(f"port {port} in {address!r} is out of range", fix="use a port in 1..65535")
+    return m.group(1), port
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
+    nodelist = nodelist.strip()
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not m:
+        raise ConfigurationError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}",
+                                 fix="set TFCS_COORDINATOR=host:port explicitly")
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _int(env, name):
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigurationError(f"environment variable {name}={env[name]!r} is not an integer",
+                                 fix=f"set {name} to an integer or unset it") from None
+
+
+def _from_tfcs(env):
+    if "TFCS_RANK" in env and "TFCS_WORLD_SIZE" in env:
+        return (_int(env, "TFCS_RANK"), _int(env, "TFCS_WORLD_SIZE"),
+                _int(env, "TFCS_LOCAL_RANK") if "TFCS_LOCAL_RANK" in env else None, None, "TFCS_*")
+    return None
+
+
+def _from_tf_config(env):
+    raw = env.get("TF_CONFIG")
+    if not raw:
+        return None
+    try:
+        cfg = json.loads(raw)
+        cluster, task = cfg["cluster"], cfg["task"]
+        ttype, tindex = task["type"], int(task["index"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigurationError(f"TF_CONFIG cannot be parsed ({e}): {raw[:200]!r}",
+                                 fix='TF_CONFIG must hold {"cluster": {...}, "task": {"type": ..., "index": ...}}'
+                                 ) from None
+    members = [("chief", a) for a in cluster.get("chief", [])] + [("worker", a) for a in cluster.get("worker", [])]
+    if ttype not in ("chief", "worker"):
+        raise ConfigurationError(f"TF_CONFIG task type {ttype!r} takes no part in training",
+                                 fix="tf_commstrategy runs on 'chief' and 'worker' tasks only; do not start it on "
+                                     "'ps' or 'evaluator' tasks")
+    offset = len(cluster.get("chief", [])) if ttype == "worker" else 0
+    rank = offset + tindex
+    if rank >= len(members):
+        raise ConfigurationError(f"TF_CONFIG task {ttype}:{tindex} is not in the cluster spec",
+                                 fix="check the task index against cluster." + ttype)
+    my_host = split_host_port(members[rank][1])[0]
+    local_rank = sum(1 for _, a in members[:rank] if split_host_port(a)[0] == my_host)
+    return rank, len(members), local_rank, members[0][1], "TF_CONFIG"
+
+
+def _from_slurm(env):
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return None
+    coord = None
+    if env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"):
+        host = first_slurm_host(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"])
+        if env.get("TFCS_COORDINATOR_PORT"):
+            port = _int(env, "TFCS_COORDINATOR_PORT")
+        elif env.get("MASTER_PORT"):
+            port = _int(env, "MASTER_PORT")
+        else:
+            port = DEFAULT_SLURM_BASE_PORT + (_int(env, "SLURM_JOB_ID") % 1000 if env.get("SLURM_JOB_ID") else 0)
+        coord = f"{host}:{port}"
+    local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else None
+    return _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), local, coord, "Slurm"
+
+
+def _master(env):
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT')}"
+    return None
+
+
+def _from_ompi(env):
+    if "OMPI_COMM_WORLD_RANK" not in env or "OMPI_COMM_WORLD_SIZE" not in env:
+        return None
+    local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else None
+    return _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"), local, _master(env), "Open MPI"
+
+
+def _from_torchrun(env):
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else None
+    return _int(env, "RANK"), _int(env, "WORLD_SIZE"), local, _master(env), "torchrun-style RANK/WORLD_SIZE"
+
+
+_SOURCES = (_from_tfcs, _from_tf_config, _from_slurm, _from_ompi, _from_torchrun)
+
+
+def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None,
+                    local_rank: Optional[int] = None, coordinator: Optional[str] = None,
+                    environ: Optional[Mapping[str, str]] = None) -> ClusterSpec:
+    """Combine explicit arguments with the first environment source that defines a rank.
+
+    Raises:
+      ConfigurationError: a variable cannot be parsed, or the result is inconsistent.
+    """
+    env = os.environ if environ is None else environ
+    found = None
+    for source in _SOURCES:
+        found = source(env)
+        if found is not None:
+            break
+    if found is None:
+        found = (0, 1, 0, None, "default (single process)")
+    src_rank, src_size, src_local, src_coord, source = found
+    explicit = rank is not None or world_size is not None
+    if explicit and (rank is None or world_size is None) and source.startswith("default"):
+        raise ConfigurationError("init() got only one of rank= and world_size=",
+                                 fix="pass both, or neither (then they come from the environment)")
+    r = src_rank if rank is None else int(rank)
+    n = src_size if world_size is None else int(world_size)
+    # None: not given by any source; the rendezvous then counts the ranks on the same host.
+    lr = local_rank if local_rank is not None else src_local
+    if lr is None and n == 1:
+        lr = 0
+    coord = coordinator or env.get("TFCS_COORDINATOR") or src_coord
+    if explicit:
+        source = "init() arguments" if rank is not None and world_size is not None else source
+    return ClusterSpec(rank=r, world_size=n, local_rank=None if lr is None else int(lr), coordinator=coord, source=source).validate()

@@ -1,0 +1,120 @@
+"""The rendezvous: rank 0 hosts the coordinator, every worker publishes who and where it is.
+
+After ``join`` returns, every worker knows every other worker's hostname, boot id and pid, so
+local rank / local size follow from who shares this host, and backends can publish their own
+addresses through the returned store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import socket
+from typing import List, Optional
+
+from ..errors import RendezvousError
+from .cluster_env import ClusterSpec, split_host_port
+from .coordinator import CoordinatorClient, CoordinatorServer
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # pragma: no cover - non-Linux
+        return "unknown"
+
+
+def default_bind_host(coordinator_host: str) -> str:
+    return "127.0.0.1" if is_loopback(coordinator_host) else "0.0.0.0"
+
+
+def default_advertise_host(coordinator_host: str) -> str:
+    """The address peers should use for this worker: the interface that routes to the coordinator.
+
+    A UDP ``connect`` only consults the routing table; it sends no packet.
+    """
+    if is_loopback(coordinator_host):
+        return "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(coordinator_host, 9, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    rank: int
+    hostname: str
+    boot_id: str
+    pid: int
+
+    @property
+    def host_key(self):
+        return (self.hostname, self.boot_id)
+
+
+@dataclasses.dataclass
+class Rendezvous:
+    store: Optional[CoordinatorClient]
+    server: Optional[CoordinatorServer]
+    workers: List[WorkerInfo]
+    local_rank: int
+    local_size: int
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        if self.server is not None:
+            self.server.stop()
+
+
+def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Optional[str]) -> Rendezvous:
+    """Meet every other worker of ``spec``; returns the store and who is where.
+
+    Raises:
+      RendezvousError: the coordinator cannot be started or reached, or a worker is missing at the deadline.
+    """
+    me = WorkerInfo(spec.rank, socket.gethostname(), boot_id(), os.getpid())
+    if spec.world_size == 1:
+        return Rendezvous(None, None, [me], 0, 1)
+    host, port = split_host_port(spec.coordinator)
+    server = None
+    if spec.rank == 0:
+        bind = bind_host or default_bind_host(host)
+        server = CoordinatorServer(f"{bind}:{port}" if ":" not in bind else f"[{bind}]:{port}",
+                                   spec.world_size, token)
+    store = CoordinatorClient(spec.coordinator, spec.rank, token)
+    try:
+        store.wait_ready(timeout)
+        claims = store.add(f"claim/{spec.rank}", 1)
+        if claims != 1:
+            raise RendezvousError(f"rank {spec.rank} was claimed by {claims} workers", rank=spec.rank,
+                                  address=spec.coordinator,
+                                  fix="give every worker a distinct rank (check TFCS_RANK / the launcher)")
+        store.set(f"worker/{spec.rank}", json.dumps(dataclasses.asdict(me)))
+        workers = [WorkerInfo(**json.loads(store.get(f"worker/{i}", timeout))) for i in range(spec.world_size)]
+        store.barrier("rendezvous", spec.world_size, timeout)
+    except RendezvousError:
+        store.close()
+        if server is not None:
+            server.stop()
+        raise
+    same = [w.rank for w in workers if w.host_key == me.host_key]
+    local_rank = spec.local_rank if spec.local_rank is not None else same.index(spec.rank)
+    return Rendezvous(store, server, workers, local_rank, len(same))
