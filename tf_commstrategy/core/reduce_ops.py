@@ -67,19 +67,14 @@ def check_dtype(dtype: np.dtype, op: ReduceOp = None) -> None:
             fix="cast to an integer dtype first, or use op='max' (logical or) / 'min' (logical and)")
 
 
+def needs_wide_accumulator(dtype: np.dtype, op: "ReduceOp") -> bool:
+    """float16 / bfloat16 sums, means and products are accumulated in float32 (see core.ring)."""
+    return np.dtype(dtype) in _LOW_PRECISION and op in (ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.PROD)
+
+
 def combine_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
-    """``dst = dst (op) src`` in place. float16/bfloat16 sums and products are computed in float32."""
-    if op is ReduceOp.MEAN:
-        op = ReduceOp.SUM  # mean = sum, then one division at the end
-    if dst.dtype in _LOW_PRECISION and op in (ReduceOp.SUM, ReduceOp.PROD):
-        acc = dst.astype(np.float32)
-        if op is ReduceOp.SUM:
-            np.add(acc, src.astype(np.float32), out=acc)
-        else:
-            np.multiply(acc, src.astype(np.float32), out=acc)
-        dst[...] = acc
-        return
-    if op is ReduceOp.SUM:
+    """``dst = dst (op) src`` in place (MEAN combines as SUM; the division comes at the end)."""
+    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
         np.add(dst, src, out=dst)
     elif op is ReduceOp.PROD:
         np.multiply(dst, src, out=dst)

@@ -23,7 +23,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from .reduce_ops import ReduceOp, combine_into, finish_mean
+from .reduce_ops import ReduceOp, combine_into, finish_mean, needs_wide_accumulator
 
 
 def chunk_ranges(lo: int, hi: int, chunk_elems: int) -> List[Tuple[int, int]]:
@@ -100,13 +100,30 @@ def _allgather_steps(link, flat: np.ndarray, chunks: Sequence, step0: int, send_
 
 
 def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int) -> np.ndarray:
-    """In-place ring all-reduce of a 1-D contiguous array; returns it."""
-    W = link.size
-    if W > 1:
-        bounds = even_bounds(flat.size, W)
-        chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems) for i in range(W)]
-        _reduce_scatter_steps(link, flat, op, chunks, then_send_final=True)
-        _allgather_steps(link, flat, chunks, step0=W - 1, send_first=False)
+    """In-place ring all-reduce of a 1-D contiguous array; returns it.
+
+    float16 / bfloat16 sums, means and products travel as float32 partials through the
+    reduce-scatter half and are rounded once, so the result is the float32 reduction rounded
+    (as if accumulated in float32); the all-gather half moves the rounded values.
+    """
+    W, r = link.size, link.rank
+    if W == 1:
+        if op is ReduceOp.MEAN:
+            finish_mean(flat, W)
+        return flat
+    bounds = even_bounds(flat.size, W)
+    chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems) for i in range(W)]
+    if needs_wide_accumulator(flat.dtype, op):
+        acc = flat.astype(np.float32)
+        _reduce_scatter_steps(link, acc, op, chunks, then_send_final=False)
+        lo, hi = bounds[r], bounds[r + 1]
+        if op is ReduceOp.MEAN:
+            finish_mean(acc[lo:hi], W)
+        flat[lo:hi] = acc[lo:hi]
+        _allgather_steps(link, flat, chunks, step0=W - 1, send_first=True)
+        return flat
+    _reduce_scatter_steps(link, flat, op, chunks, then_send_final=True)
+    _allgather_steps(link, flat, chunks, step0=W - 1, send_first=False)
     if op is ReduceOp.MEAN:
         finish_mean(flat, W)
     return flat
@@ -117,12 +134,15 @@ def reduce_scatter(link, flat: np.ndarray, op: ReduceOp, rows: int, row_elems: i
     """In-place ring reduce-scatter along rows; returns rank's element range [lo, hi) of ``flat``."""
     W, r = link.size, link.rank
     bounds = [b * row_elems for b in array_split_bounds(rows, W)]
+    lo, hi = bounds[r], bounds[r + 1]
+    work = flat.astype(np.float32) if needs_wide_accumulator(flat.dtype, op) else flat
     if W > 1:
         chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems) for i in range(W)]
-        _reduce_scatter_steps(link, flat, op, chunks, then_send_final=False)
-    lo, hi = bounds[r], bounds[r + 1]
+        _reduce_scatter_steps(link, work, op, chunks, then_send_final=False)
     if op is ReduceOp.MEAN:
-        finish_mean(flat[lo:hi], W)
+        finish_mean(work[lo:hi], W)
+    if work is not flat:
+        flat[lo:hi] = work[lo:hi]
     return lo, hi
 
 

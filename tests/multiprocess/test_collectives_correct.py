@@ -1,0 +1,161 @@
+"""Every op x dtype x world size x size against numpy, with real workers on loopback.
+
+Each worker rebuilds every rank's input from the shared seed, computes the numpy reference and
+returns how far its result is from it; the parent asserts. Results of small sizes come back whole
+and are compared in the parent too.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.helpers import run_workers
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
+OPS = ["sum", "mean", "min", "max", "prod"]
+SIZES = [0, 1, 7, 1000, 2 ** 20 + 3]
+
+
+def _dtype(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def make_input(rank, dtype, op, n, seed):
+    rng = np.random.default_rng([seed, rank, n, DTYPES.index(dtype.name if dtype.name != "bfloat16" else "bfloat16")
+                                 if dtype.name in DTYPES else 0, OPS.index(op)])
+    if dtype == np.bool_:
+        return rng.integers(0, 2, n).astype(bool)
+    if op == "prod":  # stay far from overflow: values near 1
+        if np.issubdtype(dtype, np.integer):
+            return rng.choice(np.array([1, 1, 1, 2, -1] if np.issubdtype(dtype, np.signedinteger) else [1, 1, 2]),
+                              n).astype(dtype)
+        return rng.uniform(0.8, 1.25, n).astype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        hi = 30 if dtype.itemsize == 1 else 1000
+        lo = 0 if np.issubdtype(dtype, np.unsignedinteger) else -hi
+        return rng.integers(lo, hi, n).astype(dtype)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def reference(inputs, op, dtype):
+    if op in ("sum", "mean", "prod") and dtype.kind == "f" or dtype == _dtype("bfloat16"):
+        wide = np.stack([x.astype(np.float64) for x in inputs])
+    else:
+        wide = np.stack(inputs)
+    if op == "sum":
+        r = wide.sum(0)
+    elif op == "mean":
+        r = wide.sum(0) // len(inputs) if np.issubdtype(dtype, np.integer) else wide.mean(0)
+    elif op == "prod":
+        r = wide.prod(0)
+    elif op == "min":
+        r = wide.min(0)
+    else:
+        r = wide.max(0)
+    return r.astype(dtype)
+
+
+def _tolerance(dtype, op, size):
+    if dtype.kind in "iub":
+        return 0.0
+    return {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-12}[
+        "bfloat16" if dtype == _dtype("bfloat16") else dtype.name] * (size if op in ("sum", "prod") else 1)
+
+
+def matrix_worker(rank, size, seed):
+    import tf_commstrategy as tfcs
+    tfcs.init()
+    report = []
+    for dname in DTYPES:
+        dtype = _dtype(dname)
+        for op in OPS:
+            if dname == "bool" and op not in ("min", "max"):
+                continue
+            for n in SIZES:
+                inputs = [make_input(r, dtype, op, n, seed) for r in range(size)]
+                got = tfcs.allreduce(inputs[rank], op=op)
+                want = reference(inputs, op, dtype)
+                assert got.dtype == dtype and got.shape == (n,), (got.dtype, got.shape)
+                err = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)) /
+                                   np.maximum(1.0, np.abs(want.astype(np.float64))))) if n else 0.0
+                report.append((dname, op, n, err, got if n <= 1000 else None))
+    return report
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_allreduce_matrix_matches_numpy(size):
+    seed = 1234 + size
+    results = run_workers(matrix_worker, size, seed, timeout=540)
+    for rank, report in enumerate(results):
+        assert len(report) == (len(DTYPES) - 1) * len(OPS) * len(SIZES) + 2 * len(SIZES)
+        for dname, op, n, err, got in report:
+            dtype = _dtype(dname)
+            tol = _tolerance(dtype, op, size)
+            assert err <= tol, f"rank {rank} {op} {dname} n={n}: error {err} > {tol}"
+            if got is not None:  # small results: checked again here against a fresh numpy reference
+                inputs = [make_input(r, dtype, op, n, seed) for r in range(size)]
+                want = reference(inputs, op, dtype)
+                np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                           rtol=max(tol, 1e-12), atol=max(tol, 0))
+    # bitwise identical on every rank
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            if a[4] is not None:
+                np.testing.assert_array_equal(a[4], b[4])
+
+
+def movement_worker(rank, size, seed):
+    import tf_commstrategy as tfcs
+    tfcs.init()
+    out = []
+    for dname in DTYPES:
+        dtype = _dtype(dname)
+        for n in SIZES:
+            rng = np.random.default_rng([seed, n, DTYPES.index(dname)])
+            per_rank = [make_input(r, dtype, "sum" if dname != "bool" else "max", n, seed) for r in range(size)]
+            root = int(rng.integers(0, size))
+            b = tfcs.broadcast(per_rank[rank], root_rank=root)
+            rows = [max(0, n // (r + 1)) for r in range(size)]  # different first dimensions per rank
+            mine = np.resize(per_rank[rank], rows[rank] * 1).reshape(rows[rank], 1) if n else \
+                np.zeros((0, 1), dtype)
+            g = tfcs.allgather(mine)
+            rs_op = "max" if dname == "bool" else "sum"
+            rs_in = per_rank[rank].reshape(-1, 1) if n else np.zeros((0, 1), dtype)
+            rs = tfcs.reduce_scatter(rs_in, op=rs_op)
+            small = n <= 1000
+            out.append((dname, n, root, b if small else bool(np.array_equal(b, per_rank[root])),
+                        g if small else g.shape, rs if small else rs.shape))
+    tfcs.barrier()
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_broadcast_allgather_reduce_scatter_match_numpy(size):
+    seed = 99 + size
+    results = run_workers(movement_worker, size, seed, timeout=540)
+    for rank, out in enumerate(results):
+        for dname, n, root, b, g, rs in out:
+            dtype = _dtype(dname)
+            per_rank = [make_input(r, dtype, "sum" if dname != "bool" else "max", n, seed) for r in range(size)]
+            rows = [max(0, n // (r + 1)) for r in range(size)]
+            if n > 1000:
+                assert b is True
+                assert g == (sum(rows), 1)
+                assert rs == (len(np.array_split(np.arange(n), size)[rank]), 1)
+                continue
+            np.testing.assert_array_equal(b, per_rank[root])
+            want_g = np.concatenate([np.resize(per_rank[r], rows[r]).reshape(rows[r], 1) if n else
+                                     np.zeros((0, 1), dtype) for r in range(size)])
+            np.testing.assert_array_equal(g, want_g)
+            stacked = np.stack([p.reshape(-1, 1) for p in per_rank])
+            if dname == "bool":
+                total = stacked.max(0)
+            elif dtype.kind == "f" or dname == "bfloat16":
+                total = stacked.astype(np.float64).sum(0).astype(dtype)
+            else:
+                total = stacked.sum(0).astype(dtype)
+            want_rs = np.array_split(total, size)[rank]
+            np.testing.assert_allclose(rs.astype(np.float64), want_rs.astype(np.float64),
+                                       rtol=_tolerance(dtype, "sum", size), atol=_tolerance(dtype, "sum", size))

@@ -1,0 +1,104 @@
+import json
+
+import pytest
+
+from tf_commstrategy.errors import ConfigurationError
+from tf_commstrategy.rendezvous.cluster_env import first_slurm_host, resolve_cluster, split_host_port
+
+
+def test_nothing_set_is_a_single_process():
+    s = resolve_cluster(environ={})
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (0, 1, 0, None)
+
+
+def test_tfcs_variables():
+    s = resolve_cluster(environ={"TFCS_RANK": "2", "TFCS_WORLD_SIZE": "4", "TFCS_LOCAL_RANK": "0",
+                                 "TFCS_COORDINATOR": "10.1.2.3:2222"})
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator, s.source) == (2, 4, 0, "10.1.2.3:2222", "TFCS_*")
+
+
+def test_explicit_arguments_override_environment():
+    env = {"TFCS_RANK": "2", "TFCS_WORLD_SIZE": "4", "TFCS_COORDINATOR": "a:1"}
+    s = resolve_cluster(rank=1, world_size=3, coordinator="b:2", environ=env)
+    assert (s.rank, s.world_size, s.coordinator) == (1, 3, "b:2")
+
+
+def test_tfcs_beats_tf_config_and_slurm():
+    env = {"TFCS_RANK": "1", "TFCS_WORLD_SIZE": "2", "TFCS_COORDINATOR": "h:1",
+           "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
+           "TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}})}
+    assert resolve_cluster(environ=env).rank == 1
+
+
+def test_tf_config_chief_first_then_workers():
+    cluster = {"chief": ["c0:2222"], "worker": ["w0:2222", "w1:2222", "w1:2223"]}
+    for ttype, idx, want_rank, want_local in [("chief", 0, 0, 0), ("worker", 0, 1, 0), ("worker", 2, 3, 1)]:
+        env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": ttype, "index": idx}})}
+        s = resolve_cluster(environ=env)
+        assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (want_rank, 4, want_local, "c0:2222")
+
+
+def test_tf_config_without_chief_uses_worker0():
+    env = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["w0:1", "w1:1"]}, "task": {"type": "worker", "index": 1}})}
+    s = resolve_cluster(environ=env)
+    assert (s.rank, s.world_size, s.coordinator) == (1, 2, "w0:1")
+
+
+def test_tf_config_ps_task_is_rejected():
+    env = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["w0:1"], "ps": ["p:1"]}, "task": {"type": "ps", "index": 0}})}
+    with pytest.raises(ConfigurationError, match="'ps' takes no part"):
+        resolve_cluster(environ=env)
+
+
+def test_tf_config_malformed():
+    with pytest.raises(ConfigurationError, match="TF_CONFIG cannot be parsed"):
+        resolve_cluster(environ={"TF_CONFIG": "{not json"})
+
+
+@pytest.mark.parametrize("nodelist,first", [("node01", "node01"), ("gpu[03-05,9]", "gpu03"),
+                                            ("a[7],b[1-2]", "a7"), ("host-1,host-2", "host-1")])
+def test_slurm_nodelist_first_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_slurm_variables_and_port():
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[10-13]",
+           "SLURM_JOB_ID": "123456"}
+    s = resolve_cluster(environ=env)
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (3, 8, 1, "n10:29856")
+    env["TFCS_COORDINATOR_PORT"] = "4000"
+    assert resolve_cluster(environ=env).coordinator == "n10:4000"
+
+
+def test_open_mpi_needs_a_coordinator():
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    with pytest.raises(ConfigurationError, match="TFCS_COORDINATOR"):
+        resolve_cluster(environ=env)
+    env["TFCS_COORDINATOR"] = "head:5000"
+    s = resolve_cluster(environ=env)
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator, s.source) == (1, 2, 1, "head:5000", "Open MPI")
+
+
+def test_torchrun_style():
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "m", "MASTER_PORT": "29500"}
+    s = resolve_cluster(environ=env)
+    assert (s.rank, s.world_size, s.coordinator) == (0, 2, "m:29500")
+
+
+def test_local_rank_unknown_is_left_to_the_rendezvous():
+    s = resolve_cluster(environ={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "1"})
+    assert s.local_rank is None
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"TFCS_RANK": "x", "TFCS_WORLD_SIZE": "2"}, "not an integer"),
+    ({"TFCS_RANK": "2", "TFCS_WORLD_SIZE": "2", "TFCS_COORDINATOR": "h:1"}, "outside"),
+    ({"TFCS_RANK": "0", "TFCS_WORLD_SIZE": "2", "TFCS_COORDINATOR": "nohostport"}, "not host:port"),
+])
+def test_bad_values_name_the_problem(env, match):
+    with pytest.raises(ConfigurationError, match=match):
+        resolve_cluster(environ=env)
+
+
+def test_split_host_port_ipv6():
+    assert split_host_port("[::1]:80") == ("::1", 80)

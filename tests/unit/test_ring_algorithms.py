@@ -1,0 +1,142 @@
+"""The ring algorithms of core.ring against numpy, with an in-memory link between threads.
+
+Tiny chunk sizes force many chunks per segment, so the pipelining paths (forwarding a chunk at
+the next step as soon as it is reduced) are exercised without any network.
+"""
+
+import queue
+import ml_dtypes
+import threading
+
+import numpy as np
+import pytest
+
+from tf_commstrategy.core import ring
+from tf_commstrategy.core.reduce_ops import ReduceOp
+
+
+class MemLink:
+    def __init__(self, rank, size, inboxes):
+        self.rank, self.size, self._in = rank, size, inboxes
+        self.sent = 0
+
+    def send(self, key, payload):
+        self._in[(self.rank + 1) % self.size].put((key, bytes(payload)))
+        self.sent += 1
+
+    def recv(self, key):
+        got_key, payload = self._in[self.rank].get(timeout=10)
+        assert got_key == key, f"rank {self.rank} expected {key}, got {got_key}"
+        return payload
+
+
+def run_ring(size, fn):
+    inboxes = [queue.Queue() for _ in range(size)]
+    links = [MemLink(r, size, inboxes) for r in range(size)]
+    out, errs = [None] * size, []
+
+    def body(r):
+        try:
+            out[r] = fn(links[r])
+        except Exception as e:  # pragma: no cover - reported below
+            errs.append(e)
+
+    ts = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    [t.start() for t in ts]
+    [t.join(30) for t in ts]
+    assert not errs, errs
+    return out, links
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [0, 1, 4, 7, 33])
+@pytest.mark.parametrize("chunk", [1, 2, 5, 1000])
+def test_allreduce_matches_numpy(size, n, chunk):
+    rng = np.random.default_rng(size * 100 + n)
+    inputs = [rng.integers(-50, 50, n).astype(np.int64) for _ in range(size)]
+    out, links = run_ring(size, lambda l: ring.allreduce(l, inputs[l.rank].copy(), ReduceOp.SUM, chunk))
+    for r in range(size):
+        np.testing.assert_array_equal(out[r], np.sum(inputs, axis=0))
+    if size > 1:  # every step sends at least one message, even for empty segments
+        assert all(l.sent >= 2 * (size - 1) for l in links)
+
+
+@pytest.mark.parametrize("op,ref", [(ReduceOp.MIN, np.min), (ReduceOp.MAX, np.max), (ReduceOp.PROD, np.prod)])
+def test_allreduce_other_ops(op, ref):
+    inputs = [np.array([1, -2, 3, 2, 5, -1, 2], dtype=np.int32) * (r % 2 * 2 - 1) + r for r in range(3)]
+    out, _ = run_ring(3, lambda l: ring.allreduce(l, inputs[l.rank].copy(), op, 2))
+    for o in out:
+        np.testing.assert_array_equal(o, ref(inputs, axis=0))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [0, 1, 5, 9])
+def test_reduce_scatter_uses_array_split_rule(size, rows):
+    inputs = [np.arange(rows * 3, dtype=np.int64).reshape(rows, 3) + 10 * r for r in range(size)]
+    total = np.sum(inputs, axis=0)
+
+    def fn(l):
+        flat = inputs[l.rank].reshape(-1).copy()
+        lo, hi = ring.reduce_scatter(l, flat, ReduceOp.SUM, rows, 3, 2)
+        return flat[lo:hi].reshape(-1, 3)
+
+    out, _ = run_ring(size, fn)
+    for r, piece in enumerate(np.array_split(total, size)):
+        np.testing.assert_array_equal(out[r], piece)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_allgather_variable_blocks(size):
+    blocks = [np.arange(r * 2 + (r % 2), dtype=np.float32) + 100 * r for r in range(size)]
+    counts = [b.size for b in blocks]
+
+    def fn(l):
+        out = np.zeros(sum(counts), np.float32)
+        off = sum(counts[:l.rank])
+        out[off:off + counts[l.rank]] = blocks[l.rank]
+        return ring.allgather(l, out, counts, 3)
+
+    out, _ = run_ring(size, fn)
+    for o in out:
+        np.testing.assert_array_equal(o, np.concatenate(blocks))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+@pytest.mark.parametrize("root", [0, 1, 4])
+def test_broadcast_any_root(size, root):
+    if root >= size:
+        pytest.skip("root outside world")
+    data = [np.full(11, r, dtype=np.int16) for r in range(size)]
+    out, _ = run_ring(size, lambda l: ring.broadcast(l, data[l.rank].copy(), root, 4))
+    for o in out:
+        np.testing.assert_array_equal(o, data[root])
+
+
+def test_mean_float_and_integer_floor():
+    fin = [np.array([1.0, 2.0], np.float32) * (r + 1) for r in range(4)]
+    out, _ = run_ring(4, lambda l: ring.allreduce(l, fin[l.rank].copy(), ReduceOp.MEAN, 1))
+    np.testing.assert_allclose(out[0], np.mean(fin, axis=0))
+    iin = [np.array([1, 2, 3]) + r for r in range(4)]
+    out, _ = run_ring(4, lambda l: ring.allreduce(l, iin[l.rank].copy(), ReduceOp.MEAN, 1))
+    np.testing.assert_array_equal(out[2], np.sum(iin, axis=0) // 4)
+
+
+@pytest.mark.parametrize("dtype,big", [(np.float16, 2048.0), (ml_dtypes.bfloat16, 256.0)])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_low_precision_sums_accumulate_in_float32(dtype, big, op):
+    # big + 1 is a tie that rounds back to big in this dtype, so adding the three inputs
+    # big, 1, 1 hop by hop in the dtype loses both ones for the elements whose ring order starts at
+    # the big value. Accumulated in float32 and rounded once, every element is exactly big + 2.
+    inputs = [np.array([big, big, big], dtype), np.ones(3, dtype), np.ones(3, dtype)]
+    out, _ = run_ring(3, lambda l: ring.allreduce(l, inputs[l.rank].copy(), op, 1))
+    want = (big + 2) / (3 if op is ReduceOp.MEAN else 1)
+    for o in out:
+        assert o.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(o.astype(np.float64), np.full(3, np.float64(np.array(want, dtype))))
+
+    def rs(l):
+        flat = inputs[l.rank].copy()
+        lo, hi = ring.reduce_scatter(l, flat, op, 3, 1, 1)
+        return flat[lo:hi]
+    out, _ = run_ring(3, rs)
+    assert [float(o[0]) for o in out] == [float(np.array(want, dtype))] * 3

@@ -1,0 +1,91 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tf_commstrategy.backends.grpc import wire
+from tf_commstrategy.errors import PeerLostError, RendezvousError
+from tf_commstrategy.rendezvous.coordinator import CoordinatorClient, CoordinatorServer
+from tests.helpers import free_port
+
+
+def test_encode_decode_roundtrip_without_copying_payload():
+    payload = np.arange(5, dtype=np.float32)
+    msg = wire.encode(7, 2, 3, 1, b"allreduce sum", payload.view(np.uint8))
+    seq, step, chunk, sender, sig, view = wire.decode(msg, world_size=2)
+    assert (seq, step, chunk, sender, sig) == (7, 2, 3, 1, b"allreduce sum")
+    np.testing.assert_array_equal(np.frombuffer(view, np.float32), payload)
+
+
+@pytest.mark.parametrize("msg", [b"", b"XXXX" + bytes(40), wire.encode(1, 0, 0, 9, b"s", b"")])
+def test_malformed_messages_are_rejected(msg):
+    with pytest.raises(wire.MalformedMessage):
+        wire.decode(msg, world_size=2)
+
+
+def test_mailbox_take_waits_until_deadline_then_returns_none():
+    mb = wire.Mailbox()
+    t0 = time.monotonic()
+    assert mb.take((0, 0, 0), time.monotonic() + 0.2, sender=1) is None
+    assert time.monotonic() - t0 >= 0.2
+    threading.Timer(0.1, mb.deposit, args=((0, 0, 0), b"s", memoryview(b"x"))).start()
+    assert mb.take((0, 0, 0), time.monotonic() + 5, sender=1)[0] == b"s"
+
+
+def test_mailbox_peer_gone_fails_waiters_at_once():
+    mb = wire.Mailbox()
+    threading.Timer(0.1, mb.peer_gone, args=(1, PeerLostError("gone", peer_rank=1))).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError):
+        mb.take((0, 0, 0), time.monotonic() + 30, sender=1)
+    assert time.monotonic() - t0 < 5
+
+
+def test_coordinator_store_and_barrier():
+    port = free_port()
+    srv = CoordinatorServer(f"127.0.0.1:{port}", world_size=2)
+    try:
+        a = CoordinatorClient(f"127.0.0.1:{port}", 0)
+        b = CoordinatorClient(f"127.0.0.1:{port}", 1)
+        a.wait_ready(5)
+        threading.Timer(0.2, b.set, args=("k", "v")).start()
+        assert a.get("k", timeout=5) == "v"
+        assert a.add("n") == 1 and b.add("n") == 1 + 1
+        t = threading.Thread(target=b.barrier, args=("x", 2, 5))
+        t.start()
+        a.barrier("x", 2, 5)
+        t.join(5)
+        with pytest.raises(RendezvousError, match=r"ranks \[1\] never arrived"):
+            a.barrier("y", 2, 0.5)
+        with pytest.raises(RendezvousError, match="did not appear"):
+            a.get("missing", timeout=0.3)
+    finally:
+        srv.stop()
+
+
+def test_coordinator_rejects_calls_without_the_job_token():
+    port = free_port()
+    srv = CoordinatorServer(f"127.0.0.1:{port}", world_size=1, token="s3cret")
+    try:
+        good = CoordinatorClient(f"127.0.0.1:{port}", 0, token="s3cret")
+        good.wait_ready(5)
+        good.set("k", "v")
+        bad = CoordinatorClient(f"127.0.0.1:{port}", 0, token="wrong")
+        with pytest.raises(RendezvousError, match="rejected this worker's job token"):
+            bad.get("k", timeout=1)
+        none = CoordinatorClient(f"127.0.0.1:{port}", 0)
+        with pytest.raises(RendezvousError, match="job token"):
+            none.set("k", "evil")
+        assert good.get("k", timeout=1) == "v"
+    finally:
+        srv.stop()
+
+
+def test_unreachable_coordinator_names_the_address():
+    port = free_port()
+    c = CoordinatorClient(f"127.0.0.1:{port}", 1)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=f"127.0.0.1:{port} within 1 s"):
+        c.wait_ready(1.0)
+    assert time.monotonic() - t0 < 10

@@ -1,0 +1,1 @@
+"""Local launcher (``tfcs-run``)."""

@@ -1,0 +1,176 @@
+"""``tfcs-run``: start N workers on this machine, each with its ``TFCS_*`` environment.
+
+    tfcs-run -np 2 python train.py --epochs 3
+    python -m tf_commstrategy.run -np 4 --backend grpc --timeout 120 python bench.py
+
+Every output line of a worker is prefixed with ``[rank]``. When a worker fails, the others are
+stopped (SIGTERM, then SIGKILL after a grace period; each worker runs in its own process group, so
+its children go too) and ``tfcs-run`` exits with the failing worker's code (128 + signal when it
+was killed). SIGINT / SIGTERM sent to ``tfcs-run`` are forwarded to every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional
+
+GRACE_S = 10.0
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tfcs-run", description="Start N tf_commstrategy workers on this machine.",
+        epilog="On clusters start workers with Slurm (srun), mpirun or Kubernetes instead; see docs/launching.md")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
+    p.add_argument("--backend", choices=["grpc", "nccl", "auto"], help="default backend (TFCS_BACKEND)")
+    p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free port)")
+    p.add_argument("--host", default="127.0.0.1", help="address the coordinator and workers bind (loopback)")
+    p.add_argument("--timeout", type=float, help="collective deadline in seconds (TFCS_TIMEOUT)")
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]")
+    p.add_argument("--no-token", action="store_true",
+                   help="do not generate a job token (insecure: any local process may then join the job)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs")
+    return p
+
+
+def worker_env(base: dict, rank: int, n: int, coordinator: str, args) -> dict:
+    env = dict(base)
+    env.update({"TFCS_RANK": str(rank), "TFCS_WORLD_SIZE": str(n), "TFCS_LOCAL_RANK": str(rank),
+                "TFCS_LOCAL_SIZE": str(n), "TFCS_COORDINATOR": coordinator, "PYTHONUNBUFFERED": "1"})
+    if args.backend:
+        env["TFCS_BACKEND"] = args.backend
+    if args.timeout:
+        env["TFCS_TIMEOUT"] = str(args.timeout)
+    if args.host:
+        env.setdefault("TFCS_BIND_HOST", args.host)
+    return env
+
+
+def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, b""):
+        with lock:
+            out.buffer.write(prefix + line if prefix else line)
+            out.buffer.flush()
+    stream.close()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Job:
+    def __init__(self, procs: List[subprocess.Popen]):
+        self.procs = procs
+        self.stopping = False
+
+    def signal_all(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace: float = GRACE_S) -> None:
+        self.stopping = True
+        self.signal_all(signal.SIGTERM)
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+
+def run(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.np < 1:
+        print("tfcs-run: -np must be >= 1", file=sys.stderr)
+        return 2
+    if not command:
+        print("tfcs-run: no command given (e.g. tfcs-run -np 2 python train.py)", file=sys.stderr)
+        return 2
+    port = args.port or _free_port(args.host)
+    coordinator = f"{args.host}:{port}"
+    base = dict(os.environ)
+    if not args.no_token:
+        base.setdefault("TFCS_TOKEN", secrets.token_hex(16))
+    lock = threading.Lock()
+    procs, pumps = [], []
+    for rank in range(args.np):
+        env = worker_env(base, rank, args.np, coordinator, args)
+        try:
+            p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            print(f"tfcs-run: cannot start {command[0]!r}: {e}", file=sys.stderr)
+            Job(procs).stop(grace=2.0)
+            return 127
+        procs.append(p)
+        prefix = b"" if args.no_prefix else f"[{rank}] ".encode()
+        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+            t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+    job = Job(procs)
+    received = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        job.signal_all(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    exit_code = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                if not received:
+                    print(f"tfcs-run: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; "
+                          f"stopping the other workers", file=sys.stderr)
+                job.stop()
+                exit_code = 128 - code if code < 0 else code
+                break
+            if all(c == 0 for c in codes):
+                break
+            if received and all(c is not None for c in codes):
+                break
+            time.sleep(0.05)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for t in pumps:
+            t.join(timeout=5)
+    if received and exit_code == 0:
+        exit_code = 128 + received[0]
+    return exit_code
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()
