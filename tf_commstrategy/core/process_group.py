@@ -82,6 +82,10 @@ class ProcessGroup:
         self._lock = threading.Lock()
         self._closed = False
         self.default_backend = settings.backend
+        # The ring is the control and default data plane: bring it up during init, so that every rank's
+        # data server is known before the first collective (a rank that never calls a collective must
+        # show up as a collective timeout, not as a rendezvous wait).
+        self.backend("grpc")
 
     def backend(self, name: str) -> Backend:
         """The backend registered as ``name`` ("grpc", "nccl"), built on first use (a collective step:

@@ -159,7 +159,12 @@ def allgather(link, out: np.ndarray, elem_counts: Sequence[int], chunk_elems: in
 
 
 def broadcast(link, flat: np.ndarray, root: int, chunk_elems: int) -> np.ndarray:
-    """Pipelined broadcast along the ring from ``root``, in place."""
+    """Pipelined broadcast along the ring from ``root``, in place.
+
+    The rank left of the root closes the ring with an empty acknowledgement, so the root also
+    receives one message (its signature is checked like everybody's) and returns only once the
+    data has reached every rank.
+    """
     W, r = link.size, link.rank
     if W == 1:
         return flat
@@ -168,10 +173,13 @@ def broadcast(link, flat: np.ndarray, root: int, chunk_elems: int) -> np.ndarray
     if r == root:
         for c, (a, b) in enumerate(chunks):
             link.send((0, c), _as_bytes(flat[a:b]))
+        _incoming(link, (1, 0), np.uint8, 0)
         return flat
     for c, (a, b) in enumerate(chunks):
         incoming = _incoming(link, (0, c), flat.dtype, b - a)
         flat[a:b] = incoming
         if not right_is_root:
             link.send((0, c), _as_bytes(flat[a:b]))
+    if right_is_root:
+        link.send((1, 0), b"")
     return flat

@@ -38,7 +38,7 @@ class _Link:
         self._b._right().send(wire.encode(self._seq, key[0], key[1], self.rank, self._sig, payload))
 
     def recv(self, key):
-        item = self._b.mailbox.take((self._seq,) + tuple(key), self._deadline, self._left)
+        item = self._b.mailbox.take((self._seq,) + tuple(key), self._deadline, self._left, self._sig)
         if item is None:
             right = self._b._right_stream.broken() if self._b._right_stream else None
             if right is not None:
@@ -114,7 +114,9 @@ class GrpcRingBackend(Backend):
                 return body(None)
             link = _Link(self, seq, sig, time.monotonic() + timeout, timeout)
             try:
-                return body(link)
+                result = body(link)
+                self.mailbox.forget(seq)
+                return result
             except TfcsError as e:
                 self._fail(e, notify_peers=True)
                 raise

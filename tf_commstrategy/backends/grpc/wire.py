@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Dict, Optional, Tuple
 
-from ...errors import CollectiveError, PeerLostError
+from ...errors import PeerLostError
 
 MAGIC = b"TFCS"
 VERSION = 1
@@ -67,16 +67,20 @@ class Mailbox:
         self._msgs: Dict[Key, Tuple[bytes, memoryview]] = {}
         self._error: Optional[BaseException] = None
         self._gone: Dict[int, BaseException] = {}
+        self._seq_sig: Dict[int, bytes] = {}  # first signature seen per collective, to spot mismatches early
 
     def deposit(self, key: Key, sig: bytes, payload: memoryview) -> None:
         with self._cv:
             self._msgs[key] = (sig, payload)
+            self._seq_sig.setdefault(key[0], sig)
             self._cv.notify_all()
 
-    def take(self, key: Key, deadline: float, sender: int):
+    def take(self, key: Key, deadline: float, sender: int, sig: Optional[bytes] = None):
         """Wait for ``key`` from ``sender`` until ``deadline`` (time.monotonic()).
 
-        Returns (sig, payload) or None on timeout. Raises the poisoning error, or the peer's
+        Returns (sig, payload) or None on timeout. When any message of the same collective (same
+        seq) has arrived under another signature than ``sig``, returns (that_sig, None) at once: the
+        ranks disagree and the awaited key may never come. Raises the poisoning error, or the peer's
         PeerLostError if its stream ended before the message came.
         """
         with self._cv:
@@ -84,6 +88,9 @@ class Mailbox:
                 item = self._msgs.pop(key, None)
                 if item is not None:
                     return item
+                seen = self._seq_sig.get(key[0])
+                if sig is not None and seen is not None and seen != sig:
+                    return seen, None
                 if self._error is not None:
                     raise self._error
                 if sender in self._gone:
@@ -92,6 +99,11 @@ class Mailbox:
                 if left <= 0:
                     return None
                 self._cv.wait(min(left, 1.0))
+
+    def forget(self, seq: int) -> None:
+        """Collective ``seq`` completed: drop its signature record."""
+        with self._cv:
+            self._seq_sig.pop(seq, None)
 
     def fail(self, error: BaseException) -> None:
         with self._cv:
@@ -112,9 +124,3 @@ class Mailbox:
         with self._cv:
             return len(self._msgs)
 
-
-def raise_from_error(err: BaseException):
-    """Re-raise a stored collective error as a fresh instance of the same class when possible."""
-    if isinstance(err, CollectiveError):
-        raise err
-    raise CollectiveError(str(err))

@@ -1,0 +1,163 @@
+"""Failure paths: mismatches, timeouts, lost peers, unreachable coordinators, init twice."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import free_port, run_workers
+
+
+def _mismatch(rank, size, kind):
+    import tf_commstrategy as tfcs
+    tfcs.init()
+    tfcs.allreduce(np.ones(3))  # one good collective first
+    try:
+        if kind == "dtype":
+            tfcs.allreduce(np.ones(4, np.float32 if rank == 0 else np.float64))
+        elif kind == "shape":
+            tfcs.allreduce(np.ones(4 + rank, np.float32))
+        elif kind == "op":
+            tfcs.allreduce(np.ones(4), op="sum" if rank == 0 else "max")
+        elif kind == "root":
+            tfcs.broadcast(np.ones(4), root_rank=rank)
+        elif kind == "order":
+            if rank == 0:
+                tfcs.broadcast(np.ones(4), root_rank=0)
+            else:
+                tfcs.allreduce(np.ones(4))
+    except tfcs.TfcsError as e:
+        # the group is now unusable, and says so at once
+        t0 = time.monotonic()
+        try:
+            tfcs.allreduce(np.ones(1))
+            again = "no error"
+        except tfcs.TfcsError as e2:
+            again = str(e2)
+        return type(e).__name__, str(e), again, time.monotonic() - t0
+    return "no error", "", "", 0
+
+
+@pytest.mark.parametrize("kind", ["dtype", "shape", "op", "root", "order"])
+def test_mismatch_raises_on_every_rank_naming_both_signatures(kind):
+    res = run_workers(_mismatch, 3, kind, timeout=60, env={"TFCS_TIMEOUT": "30"})
+    names = [r[0] for r in res]
+    assert "CollectiveMismatchError" in names, res
+    assert all(n in ("CollectiveMismatchError", "CollectiveAbortedError") for n in names), res
+    for name, msg, again, dt in res:
+        if name == "CollectiveMismatchError":
+            assert "this rank called [" in msg and "but rank" in msg and "called [" in msg
+        assert "unusable" in again and dt < 1.0
+
+
+def _skip_one(rank, size):
+    import tf_commstrategy as tfcs
+    tfcs.init(timeout=2)
+    if rank == 1:
+        time.sleep(4)  # never calls the collective; rank 0 must time out, not hang
+        return "skipped", "", 0
+    t0 = time.monotonic()
+    try:
+        tfcs.allreduce(np.ones(10))
+    except tfcs.CollectiveTimeoutError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+def test_missing_rank_times_out_with_clear_error():
+    res = run_workers(_skip_one, 2, timeout=60)
+    name, msg, dt = res[0]
+    assert name == "CollectiveTimeoutError"
+    assert "rank 1" in msg and "timed out after 2 s" in msg and "allreduce" in msg
+    assert 1.9 <= dt < 10
+
+
+def _dies(rank, size):
+    import tf_commstrategy as tfcs
+    tfcs.init(timeout=120)
+    tfcs.allreduce(np.ones(10))
+    if rank == 1:
+        os._exit(17)  # crash without shutting down
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            tfcs.allreduce(np.ones(1000))
+    except tfcs.PeerLostError as e:
+        return type(e).__name__, str(e), e.peer_rank, time.monotonic() - t0
+    except tfcs.TfcsError as e:
+        return type(e).__name__, str(e), None, time.monotonic() - t0
+    return "no error", "", None, 0
+
+
+def test_dead_peer_is_reported_within_seconds_not_at_the_deadline():
+    res = run_workers(_dies, 2, timeout=90, expect_failure=True)
+    kind, (name, msg, peer, dt) = res[0]
+    assert res[1][0] == "missing"
+    assert name == "PeerLostError", msg
+    assert peer == 1 and "rank 1" in msg
+    assert dt < 20  # deadline is 120 s
+
+
+def _unreachable(rank, size, port):
+    import tf_commstrategy as tfcs
+    t0 = time.monotonic()
+    try:
+        tfcs.init(rank=1, world_size=2, coordinator=f"127.0.0.1:{port}", rendezvous_timeout=2)
+    except tfcs.RendezvousError as e:
+        return type(e).__name__, str(e), e.address, time.monotonic() - t0
+    return "no error", "", "", 0
+
+
+def test_unreachable_coordinator_fails_after_deadline_naming_address():
+    port = free_port()
+    (name, msg, address, dt), = run_workers(_unreachable, 1, port, timeout=60)
+    assert name == "RendezvousError" and address == f"127.0.0.1:{port}"
+    assert f"127.0.0.1:{port}" in msg and "within 2 s" in msg
+    assert dt < 15
+
+
+def _init_twice(rank, size):
+    import tf_commstrategy as tfcs
+    g1 = tfcs.init()
+    g2 = tfcs.init()
+    same = g1 is g2
+    try:
+        tfcs.init(timeout=7)
+        other = "no error"
+    except tfcs.ConfigurationError as e:
+        other = str(e)
+    tfcs.shutdown()
+    g3 = tfcs.init()  # a fresh init after shutdown works
+    v = tfcs.allreduce(np.array([rank + 1]))
+    return same, other, g3 is not g1, int(v[0])
+
+
+def test_init_twice_same_settings_harmless_different_is_an_error():
+    for same, other, fresh, v in run_workers(_init_twice, 2, timeout=60):
+        assert same and fresh and v == 3
+        assert "already called with other settings" in other
+
+
+def _world_one(rank, size):
+    import tf_commstrategy as tfcs
+    for k in ("TFCS_RANK", "TFCS_WORLD_SIZE", "TFCS_COORDINATOR", "TFCS_LOCAL_RANK"):
+        os.environ.pop(k)
+    g = tfcs.init()
+    return g.store is None, tfcs.rank(), tfcs.size(), tfcs.allreduce(np.arange(3)).tolist()
+
+
+def test_world_size_one_needs_no_coordinator():
+    (no_store, r, n, v), = run_workers(_world_one, 1, timeout=60)
+    assert no_store and (r, n, v) == (0, 1, [0, 1, 2])
+
+
+def _local(rank, size):
+    import tf_commstrategy as tfcs
+    os.environ.pop("TFCS_LOCAL_RANK")
+    tfcs.init()
+    return tfcs.local_rank(), tfcs.local_size()
+
+
+def test_local_rank_and_size_from_hostnames():
+    assert run_workers(_local, 3, timeout=60) == [(0, 3), (1, 3), (2, 3)]

@@ -1,0 +1,105 @@
+"""tfcs-run as a user runs it: a fresh process, real workers, exit codes, prefixes, no orphans."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.helpers import ROOT
+
+RUN = [sys.executable, "-m", "tf_commstrategy.run"]
+
+
+def _script(tmp_path, body):
+    p = tmp_path / "w.py"
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
+def _run(args, timeout=120, **kw):
+    return subprocess.run(RUN + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def test_demo_runs_and_prefixes_every_line_with_its_rank():
+    r = _run(["-np", "2", sys.executable, "examples/collective_demo.py"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert sorted(l[:4] for l in lines) == ["[0] ", "[1] "]
+    assert all("sum=[3.0, 3.0, 3.0, 3.0]" in l for l in lines)
+
+
+def test_environment_given_to_workers(tmp_path):
+    s = _script(tmp_path, """
+        import os
+        print(os.environ["TFCS_RANK"], os.environ["TFCS_WORLD_SIZE"], os.environ["TFCS_LOCAL_RANK"],
+              os.environ["TFCS_COORDINATOR"].startswith("127.0.0.1:"), os.environ.get("TFCS_BACKEND"),
+              os.environ.get("TFCS_TIMEOUT"), len(os.environ.get("TFCS_TOKEN", "")) >= 32)
+    """)
+    r = _run(["-np", "3", "--backend", "grpc", "--timeout", "42", "--no-prefix", sys.executable, s])
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.split("\n")[:3]) == [f"{i} 3 {i} True grpc 42.0 True" for i in range(3)]
+
+
+def test_failing_worker_stops_the_others_and_sets_the_exit_code(tmp_path):
+    pidfile = tmp_path / "pids"
+    s = _script(tmp_path, f"""
+        import os, sys, time
+        with open({str(pidfile)!r}, "a") as f:
+            f.write(str(os.getpid()) + "\\n")
+        if os.environ["TFCS_RANK"] == "1":
+            time.sleep(0.5)
+            sys.exit(3)
+        time.sleep(120)
+    """)
+    t0 = time.monotonic()
+    r = _run(["-np", "3", sys.executable, s])
+    assert r.returncode == 3
+    assert time.monotonic() - t0 < 60
+    assert "rank 1" in r.stderr and "exited with code 3" in r.stderr
+    for pid in map(int, pidfile.read_text().split()):  # no orphans left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_killed_worker_is_reported_with_its_signal(tmp_path):
+    s = _script(tmp_path, """
+        import os, signal, time
+        if os.environ["TFCS_RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)
+    r = _run(["-np", "2", sys.executable, s])
+    assert r.returncode == 128 + 9
+    assert "rank 0" in r.stderr and "SIGKILL" in r.stderr
+
+
+def test_sigterm_is_forwarded_to_every_worker(tmp_path):
+    marker = tmp_path / "got"
+    s = _script(tmp_path, f"""
+        import os, signal, sys, time
+        def h(sig, frm):
+            open({str(marker)!r} + os.environ["TFCS_RANK"], "w").write("x")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, h)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen(RUN + ["-np", "2", sys.executable, s], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    seen = 0
+    while seen < 2:
+        assert "ready" in p.stdout.readline()
+        seen += 1
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=30)
+    assert p.returncode == 128 + signal.SIGTERM
+    assert os.path.exists(str(marker) + "0") and os.path.exists(str(marker) + "1")
+
+
+def test_usage_errors():
+    r = _run(["-np", "2"])
+    assert r.returncode == 2 and "no command" in r.stderr
