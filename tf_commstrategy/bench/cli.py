@@ -1,0 +1,174 @@
+"""``tfcs-bench``: collective latency and bandwidth, side by side with the peers, in one run.
+
+    tfcs-bench -np 2 --op allreduce --sizes 8,4K,256K,4M,64M,256M --compare tf-ring,gloo \\
+               --json results.json --plot allreduce.png
+
+For each size: the median time of many back-to-back calls after warm-up, the algorithm bandwidth
+(bytes / time) and the bus bandwidth (nccl-tests convention: allreduce busbw = algbw * 2(n-1)/n,
+allgather (n-1)/n, broadcast 1). Each peer runs as its own job of N fresh processes in the same
+invocation, on the same sizes; the table reports tfcs's time divided by the peer's (below 1: tfcs
+is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+from typing import Dict, List
+
+from ..config import parse_size
+from ..launcher import run as launcher
+
+
+def _free_ports(n: int) -> List[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def bus_factor(op: str, n: int) -> float:
+    if n == 1:
+        return 1.0
+    return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(op, 1.0)
+
+
+def human(nbytes: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div} {unit}"
+    return f"{nbytes} B"
+
+
+def fmt_time(t: float) -> str:
+    if t < 1e-3:
+        return f"{t * 1e6:.0f} us"
+    if t < 1:
+        return f"{t * 1e3:.2f} ms"
+    return f"{t:.2f} s"
+
+
+def run_impl(impl: str, args, sizes: List[int]) -> Dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        os.environ["TFCS_BENCH_PORTS"] = ",".join(map(str, _free_ports(args.np)))
+        cmd = [sys.executable, "-m", "tf_commstrategy.bench.workers", "--impl", impl, "--op", args.op,
+               "--sizes", ",".join(map(str, sizes)), "--budget", str(args.budget), "--out", out]
+        if impl == "tfcs" and args.backend:
+            cmd += ["--backend", args.backend]
+        print(f"tfcs-bench: running {impl} ({args.np} workers)...", file=sys.stderr, flush=True)
+        code = launcher.run(["-np", str(args.np), "--no-prefix"] + cmd)
+        if code != 0 or not os.path.exists(out):
+            print(f"tfcs-bench: {impl} failed (exit code {code}); left out of the table", file=sys.stderr)
+            return {}
+        with open(out) as f:
+            return json.load(f)
+
+
+def summarize(raw: Dict, op: str, n: int) -> Dict[int, Dict[str, float]]:
+    rows = {}
+    for k, times in raw.get("times", {}).items():
+        nbytes = int(k)
+        med = statistics.median(times)
+        algbw = nbytes / med / 1e9
+        rows[nbytes] = {"median_s": med, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n),
+                        "iters": len(times)}
+    return rows
+
+
+def table(results: Dict[str, Dict[int, Dict]], sizes: List[int], op: str, n: int) -> str:
+    impls = list(results)
+    peers = [i for i in impls if i != "tfcs"]
+    head = ["size", "tfcs time", "algbw GB/s", "busbw GB/s"]
+    for p in peers:
+        head += [f"{p} time", f"tfcs/{p}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in sizes:
+        me = results.get("tfcs", {}).get(s)
+        row = [human(s)]
+        row += [fmt_time(me["median_s"]), f"{me['algbw_GBps']:.3f}", f"{me['busbw_GBps']:.3f}"] if me else \
+            ["-", "-", "-"]
+        for p in peers:
+            other = results[p].get(s)
+            row.append(fmt_time(other["median_s"]) if other else "-")
+            row.append(f"{me['median_s'] / other['median_s']:.2f}" if me and other else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot(results, sizes, op, n, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for impl, rows in results.items():
+        xs = [s for s in sizes if s in rows]
+        ax1.loglog(xs, [rows[s]["median_s"] * 1e3 for s in xs], marker="o", label=impl)
+        if impl != "tfcs" and "tfcs" in results:
+            ax2.semilogx(xs, [results["tfcs"][s]["median_s"] / rows[s]["median_s"] for s in xs
+                              if s in results["tfcs"]], marker="o", label=f"tfcs / {impl}")
+    ax1.set_xlabel("message size (bytes)")
+    ax1.set_ylabel("median time (ms)")
+    ax1.set_title(f"{op}, {n} ranks, float32")
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.legend()
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set_xlabel("message size (bytes)")
+    ax2.set_ylabel("time ratio (lower: tfcs faster)")
+    ax2.set_title("tfcs time / peer time")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="tfcs-bench", description=__doc__.split("\n")[0])
+    p.add_argument("-np", type=int, default=2)
+    p.add_argument("--op", choices=["allreduce", "broadcast", "allgather"], default="allreduce")
+    p.add_argument("--sizes", default="8,4K,256K,4M,64M,256M")
+    p.add_argument("--backend", choices=["grpc", "nccl", "auto"], default="grpc")
+    p.add_argument("--compare", default="", help="comma-separated peers: tf-ring, gloo")
+    p.add_argument("--budget", type=float, default=1.5, help="approximate seconds spent per size and impl")
+    p.add_argument("--json", help="write all results here")
+    p.add_argument("--plot", help="write a PNG plot here")
+    args = p.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    peers = [c for c in args.compare.split(",") if c]
+    for c in peers:
+        if c not in ("tf-ring", "gloo"):
+            p.error(f"unknown peer {c!r} (use tf-ring, gloo)")
+    if "gloo" in peers:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("tfcs-bench: torch is not importable, gloo left out (pip install torch==2.13.0)", file=sys.stderr)
+            peers.remove("gloo")
+    raw = {impl: run_impl(impl, args, sizes) for impl in ["tfcs"] + peers}
+    results = {impl: summarize(r, args.op, args.np) for impl, r in raw.items() if r}
+    print(f"\n{args.op}, {args.np} ranks, float32, backend {args.backend}, transport "
+          f"{raw.get('tfcs', {}).get('info', {}).get('transport', '?')}\n")
+    print(table(results, sizes, args.op, args.np))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"op": args.op, "np": args.np, "backend": args.backend, "sizes": sizes,
+                       "results": {k: {str(s): v for s, v in r.items()} for k, r in results.items()}}, f, indent=1)
+    if args.plot and results:
+        plot(results, sizes, args.op, args.np, args.plot)
+    return 0 if "tfcs" in results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

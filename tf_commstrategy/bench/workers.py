@@ -1,0 +1,174 @@
+"""Benchmark workers: one process per rank, for tfcs itself and for each peer it is compared with.
+
+    python -m tf_commstrategy.bench.workers --impl tfcs|tf-ring|gloo --op allreduce --sizes ... --out F
+
+Every implementation runs the same schedule: for each size, warm-up calls, then ``iters`` timed
+back-to-back calls; rank 0 writes the per-call times (seconds) to ``--out`` as JSON. The peers:
+
+* ``tf-ring``: TensorFlow's MultiWorkerMirroredStrategy with
+  ``CommunicationOptions(implementation=RING)``, the all-reduce inside ``strategy.run`` (a
+  ``tf.function``), TF_CONFIG built from ``TFCS_BENCH_PORTS``;
+* ``gloo``: ``torch.distributed`` with the gloo backend, ``torch.set_num_threads(1)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+DTYPE_BYTES = 4  # float32 everywhere
+
+
+def iterations(nbytes: int, budget_s: float) -> int:
+    """Same count on every rank and implementation: more calls for small sizes, at least 5."""
+    est = 2e-4 + nbytes / 5e8  # a rough guess of one call's time, only to size the loop
+    return int(max(5, min(2000, budget_s / est)))
+
+
+def _schedule(sizes, budget):
+    for nbytes in sizes:
+        yield nbytes, max(1, nbytes // DTYPE_BYTES), iterations(nbytes, budget)
+
+
+def run_tfcs(args, rank, size):
+    import tf_commstrategy as tfcs
+    tfcs.init(backend=args.backend)
+    results = {}
+    for nbytes, n, iters in _schedule(args.sizes, args.budget):
+        x = np.ones(n, np.float32) * (rank + 1)
+        if args.op == "allreduce":
+            call = lambda: tfcs.allreduce(x, op="sum")  # noqa: E731
+        elif args.op == "broadcast":
+            call = lambda: tfcs.broadcast(x, root_rank=0)  # noqa: E731
+        else:
+            xs = x[: max(1, n // size)]
+            call = lambda: tfcs.allgather(xs)  # noqa: E731
+        check = call()
+        if args.op == "allreduce":
+            assert np.all(check == size * (size + 1) / 2), "wrong allreduce result"
+        for _ in range(3):
+            call()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        results[nbytes] = times
+    tfcs.barrier()
+    info = {"transport": "grpc"}
+    tfcs.shutdown()
+    return results, info
+
+
+def run_tf_ring(args, rank, size):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    ports = os.environ["TFCS_BENCH_PORTS"].split(",")
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": rank}})
+    import tensorflow as tf
+    opts = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=opts)
+    results = {}
+    for nbytes, n, iters in _schedule(args.sizes, args.budget):
+        with strategy.scope():
+            v = tf.Variable(tf.ones([n], tf.float32) * (rank + 1))
+        if args.op == "allreduce":
+            @tf.function
+            def step():
+                return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, v.read_value()))
+        elif args.op == "allgather":
+            m = max(1, n // size)
+
+            @tf.function
+            def step():
+                return strategy.run(lambda: tf.distribute.get_replica_context().all_gather(
+                    v.read_value()[:m], axis=0))
+        else:
+            raise SystemExit("tf-ring has no broadcast primitive to compare with")
+        out = step()
+        if args.op == "allreduce":
+            # MWMS gives every worker rank 0's initial value, so the sum is size * that value
+            first = float(strategy.experimental_local_results(v)[0].numpy()[0])
+            assert np.all(strategy.experimental_local_results(out)[0].numpy() == size * first)
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            r = step()
+            strategy.experimental_local_results(r)[0].numpy()
+            times.append(time.perf_counter() - t0)
+        results[nbytes] = times
+    return results, {}
+
+
+def run_gloo(args, rank, size):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    port = os.environ["TFCS_BENCH_PORTS"].split(",")[0]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    results = {}
+    for nbytes, n, iters in _schedule(args.sizes, args.budget):
+        x = torch.ones(n, dtype=torch.float32) * (rank + 1)
+        if args.op == "allreduce":
+            def call():
+                y = x.clone()
+                dist.all_reduce(y)
+                return y
+        elif args.op == "broadcast":
+            def call():
+                y = x.clone()
+                dist.broadcast(y, src=0)
+                return y
+        else:
+            m = max(1, n // size)
+            outs = [torch.empty(m) for _ in range(size)]
+
+            def call():
+                dist.all_gather(outs, x[:m])
+                return outs
+        if args.op == "allreduce":
+            assert bool((call() == size * (size + 1) / 2).all())
+        for _ in range(3):
+            call()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        results[nbytes] = times
+    dist.barrier()
+    dist.destroy_process_group()
+    return results, {"torch": torch.__version__}
+
+
+IMPLS = {"tfcs": run_tfcs, "tf-ring": run_tf_ring, "gloo": run_gloo}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--impl", choices=sorted(IMPLS), required=True)
+    p.add_argument("--op", default="allreduce")
+    p.add_argument("--sizes", required=True, help="comma-separated byte counts")
+    p.add_argument("--budget", type=float, default=1.0, help="approximate seconds per size")
+    p.add_argument("--backend", default=None)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    rank, size = int(os.environ["TFCS_RANK"]), int(os.environ["TFCS_WORLD_SIZE"])
+    results, info = IMPLS[args.impl](args, rank, size)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"impl": args.impl, "op": args.op, "world_size": size, "info": info,
+                       "times": {str(k): v for k, v in results.items()}}, f)
+
+
+if __name__ == "__main__":
+    main()
