@@ -1,0 +1,44 @@
+"""tfcs-bench end to end in a fresh process: table, JSON and bus-bandwidth convention."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+from tf_commstrategy.bench.cli import bus_factor
+
+
+def test_bus_bandwidth_factors_follow_nccl_tests():
+    assert bus_factor("allreduce", 2) == 1.0
+    assert bus_factor("allreduce", 4) == 1.5
+    assert bus_factor("allgather", 4) == 0.75
+    assert bus_factor("broadcast", 4) == 1.0
+
+
+def _bench(tmp_path, *extra):
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "tf_commstrategy.bench.cli", "-np", "2", "--sizes", "8,64K",
+                        "--budget", "0.05", "--json", str(out), *extra], cwd=ROOT, capture_output=True,
+                       text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("op", ["allreduce", "broadcast", "allgather"])
+def test_bench_tfcs_only(tmp_path, op):
+    stdout, data = _bench(tmp_path, "--op", op)
+    rows = data["results"]["tfcs"]
+    assert set(rows) == {"8", "65536"}
+    for nbytes, row in rows.items():
+        assert row["median_s"] > 0 and row["iters"] >= 5
+        assert row["algbw_GBps"] == pytest.approx(int(nbytes) / row["median_s"] / 1e9)
+    assert "| 64 KiB |" in stdout
+
+
+@pytest.mark.slow
+def test_bench_compares_with_tf_ring(tmp_path):
+    stdout, data = _bench(tmp_path, "--compare", "tf-ring")
+    assert set(data["results"]) == {"tfcs", "tf-ring"}
+    assert "tfcs/tf-ring" in stdout

@@ -1,0 +1,49 @@
+"""Transport settings checked on the real sockets, not assumed: TCP_NODELAY and message size limits."""
+
+import os
+import socket
+
+import numpy as np
+
+from tests.helpers import run_workers
+
+
+def _nodelay(rank, size):
+    import tf_commstrategy as tfcs
+    tfcs.init()
+    tfcs.allreduce(np.ones(1000))  # streams are open and used
+    flags = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                try:
+                    s.getpeername()
+                except OSError:
+                    continue  # a listening socket
+                flags.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        finally:
+            s.close()
+    return flags
+
+
+def test_every_connected_tcp_socket_has_nodelay():
+    for flags in run_workers(_nodelay, 2, timeout=60):
+        assert flags, "no connected TCP sockets found"
+        assert all(f != 0 for f in flags), flags
+
+
+def _large(rank, size):
+    import tf_commstrategy as tfcs
+    tfcs.init(chunk_bytes=64 << 20)  # one message per segment: 96 MiB buffer -> 48 MiB messages
+    x = np.full(24 << 20, rank + 1, dtype=np.float32)
+    return float(tfcs.allreduce(x)[-1])
+
+
+def test_messages_far_above_grpc_default_4mib_limit_pass():
+    assert run_workers(_large, 2, timeout=120) == [3.0, 3.0]
