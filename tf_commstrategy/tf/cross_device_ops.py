@@ -1,0 +1,190 @@
+"""``CommCrossDeviceOps``: reduce over this worker's replicas, then across workers in one fused call.
+
+Data path of one ``batch_reduce`` (e.g. all gradients of a train step):
+
+1. local: each value's per-replica components are summed on the first local device (``tf.add_n``);
+2. across workers: ONE stateful ``py_function`` gets all local sums; inside it the backend fuses them
+   into one flat buffer per dtype (split into ``bytes_per_pack`` buckets when asked) and runs one
+   all-reduce per buffer; results are split and reshaped back (static shapes set);
+3. MEAN divides by the global replica count; each result is copied to its destination devices.
+
+IndexedSlices (embedding gradients) are all-gathered (values and indices), not densified.
+Public methods validate (TF's ``CrossDeviceOps``), ``*_implementation`` methods do the work.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cdo
+from tensorflow.python.distribute import distribute_utils, reduce_util
+from tensorflow.python.distribute import values as value_lib
+from tensorflow.python.framework import indexed_slices
+
+from ..core.reduce_ops import ReduceOp
+from . import options as opts
+from . import tensor_ops
+
+
+def _values(v) -> List:
+    return list(v.values) if isinstance(v, value_lib.DistributedValues) else [v]
+
+
+def _buckets(arrs: List[np.ndarray], bytes_per_pack: int) -> List[List[int]]:
+    if not bytes_per_pack or bytes_per_pack <= 0:
+        return [list(range(len(arrs)))]
+    out, cur, size = [], [], 0
+    for i, a in enumerate(arrs):
+        if cur and size + a.nbytes > bytes_per_pack:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += a.nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+class CommCrossDeviceOps(cdo.CrossDeviceOps):
+    """Cross-device ops of ``CommStrategy``; holds no state beyond a reference to the strategy's extended."""
+
+    def __init__(self, extended):
+        super().__init__()
+        self._ext = extended
+
+    # -- what TF asks ------------------------------------------------------------------------------
+    @property
+    def _num_between_graph_workers(self):
+        return self._ext._num_workers
+
+    def _options(self, options):
+        return opts.merge(self._ext._communication_options, options)
+
+    def _backend_name(self, options):
+        return opts.choose_backend(options, self._ext._backend_name, self._ext._communication_options)
+
+    # -- reduce ------------------------------------------------------------------------------------
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options, local_only=False):
+        options = options if options is not None else None
+        merged = self._options(options)
+        backend = self._backend_name(options)
+        n_global = self._ext._num_replicas_in_sync if not local_only else len(self._ext.worker_devices)
+        dense_idx = [i for i, (v, _) in enumerate(value_destination_pairs)
+                     if not isinstance(_values(v)[0], indexed_slices.IndexedSlices)]
+        sparse_idx = [i for i in range(len(value_destination_pairs)) if i not in set(dense_idx)]
+        results: List = [None] * len(value_destination_pairs)
+
+        local_sums = [self._local_sum(value_destination_pairs[i][0]) for i in dense_idx]
+        if local_sums:
+            if self._ext._num_workers > 1 and not local_only:
+                reduced = self._cross_worker_sum(local_sums, merged, backend)
+            else:
+                reduced = local_sums
+            for i, r in zip(dense_idx, reduced):
+                if reduce_op == reduce_util.ReduceOp.MEAN:
+                    r = self._divide(r, n_global)
+                results[i] = self._to_destinations(r, value_destination_pairs[i][1])
+        for i in sparse_idx:
+            v, dest = value_destination_pairs[i]
+            results[i] = self._reduce_sparse(reduce_op, v, dest, merged, backend, n_global, local_only)
+        return results
+
+    def _local_sum(self, value):
+        parts = _values(value)
+        with tf.device(parts[0].device):
+            return parts[0] if len(parts) == 1 else tf.add_n(parts)
+
+    def _cross_worker_sum(self, tensors, merged, backend) -> List[tf.Tensor]:
+        timeout = merged.timeout_seconds
+        pack = merged.bytes_per_pack
+        group = tensor_ops.default_group()
+
+        def body(arrs):
+            b = group.resolve_backend(backend, arrs[0])
+            out: List = [None] * len(arrs)
+            for bucket in _buckets(arrs, pack):
+                for j, r in zip(bucket, b.batch_allreduce([arrs[j] for j in bucket], ReduceOp.SUM, timeout)):
+                    out[j] = r
+            return out
+
+        return tensor_ops.run_numpy(body, tensors, [t.dtype for t in tensors], [t.shape for t in tensors],
+                                    name="tfcs_batch_allreduce")
+
+    @staticmethod
+    def _divide(t, n):
+        with tf.device(t.device):
+            if t.dtype.is_integer:
+                return tf.math.floordiv(t, tf.cast(n, t.dtype))
+            return t / tf.cast(n, t.dtype)
+
+    @staticmethod
+    def _to_destinations(t, destinations):
+        devices = cdo.get_devices_from(destinations)
+        copies = []
+        for d in devices:
+            with tf.device(d):
+                copies.append(tf.identity(t))
+        return distribute_utils.regroup(copies, wrap_class=value_lib.Mirrored)
+
+    def _reduce_sparse(self, reduce_op, value, destinations, merged, backend, n_global, local_only):
+        parts = _values(value)
+        with tf.device(parts[0].device):
+            vals = tf.concat([p.values for p in parts], axis=0)
+            idxs = tf.concat([tf.cast(p.indices, tf.int64) for p in parts], axis=0)
+        if self._ext._num_workers > 1 and not local_only:
+            vals, idxs = self._allgather_many([vals, idxs], merged, backend)
+        if reduce_op == reduce_util.ReduceOp.MEAN:
+            vals = self._divide(vals, n_global)
+        idxs = tf.cast(idxs, parts[0].indices.dtype)
+        devices = cdo.get_devices_from(destinations)
+        out = []
+        for d in devices:
+            with tf.device(d):
+                out.append(indexed_slices.IndexedSlices(tf.identity(vals), tf.identity(idxs),
+                                                        parts[0].dense_shape))
+        return distribute_utils.regroup(out, wrap_class=value_lib.Mirrored)
+
+    def _allgather_many(self, tensors, merged, backend, axis=0):
+        timeout = merged.timeout_seconds
+        group = tensor_ops.default_group()
+
+        def body(arrs):
+            b = group.resolve_backend(backend, arrs[0])
+            res = []
+            for a in arrs:
+                moved = np.moveaxis(a, axis, 0) if a.ndim and axis else a
+                g = b.allgather(np.ascontiguousarray(moved), timeout)
+                res.append(np.ascontiguousarray(np.moveaxis(g, 0, axis)) if a.ndim and axis else g)
+            return res
+
+        shapes = []
+        for t in tensors:
+            s = t.shape.as_list() if t.shape.rank is not None else None
+            if s is not None and s:
+                s[axis] = None
+            shapes.append(tf.TensorShape(s))
+        return tensor_ops.run_numpy(body, tensors, [t.dtype for t in tensors], shapes, name="tfcs_allgather")
+
+    # -- gather / broadcast ------------------------------------------------------------------------
+    def _gather_implementation(self, per_replica_value, destinations, axis, options):
+        parts = _values(per_replica_value)
+        with tf.device(parts[0].device):
+            local = parts[0] if len(parts) == 1 else tf.concat(parts, axis=axis)
+        if self._ext._num_workers > 1:
+            merged = self._options(options)
+            local, = self._allgather_many([local], merged, self._backend_name(options), axis=axis)
+        return self._to_destinations(local, destinations)
+
+    def broadcast_implementation(self, tensor, destinations):
+        # Within a worker only: values are already identical across workers (variables are
+        # initialized from rank 0 and updated with all-reduced gradients).
+        return cdo.simple_broadcast(tensor, destinations, always_mirrored=True,
+                                    canonicalize_devices=self._canonicalize_devices)
+
+    def _all_reduce(self, reduce_op, value, replica_id, options):  # pragma: no cover - merge_call is used
+        raise NotImplementedError("CommStrategy reduces through merge_call (batch_reduce)")

@@ -1,0 +1,84 @@
+"""Per-call communication options: TF's ``CommunicationOptions`` and our ``CommOptions``.
+
+``tf.distribute.experimental.CommunicationOptions(implementation=RING)`` selects the grpc backend,
+``NCCL`` the nccl backend, ``AUTO`` the strategy's default. ``CommOptions(backend=...)`` names a
+backend directly and is accepted wherever TF accepts options, because it *is* a TF ``Options``.
+
+Precedence for one call: ``CommOptions.backend`` > ``implementation`` (RING / NCCL) > the strategy's
+default (``CommStrategy(backend=...)``, then its ``communication_options``) > ``TFCS_BACKEND`` >
+"auto". ``timeout_seconds`` becomes the collective deadline, ``bytes_per_pack`` the fusion bucket size.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from tensorflow.python.distribute import collective_util
+
+from ..core.backend import normalize_backend_name
+
+Implementation = collective_util.CommunicationImplementation
+
+
+class CommOptions(collective_util.Options):
+    """``CommunicationOptions`` plus a backend name (and, later, a transport).
+
+    Args:
+      backend: "grpc" | "nccl" | "auto" | None (None: decided by ``implementation`` / the strategy).
+      bytes_per_pack: fusion bucket size in bytes; 0 fuses each batch into one call per dtype.
+      timeout_seconds: the collective deadline for calls made with these options.
+      implementation: TF's ``CommunicationImplementation`` (RING -> grpc, NCCL -> nccl).
+      transport: data path under the ring ("grpc"); reserved for the fast-transports work.
+    """
+
+    def __init__(self, backend: Optional[str] = None, bytes_per_pack: int = 0,
+                 timeout_seconds: Optional[float] = None, implementation=Implementation.AUTO,
+                 transport: Optional[str] = None):
+        super().__init__(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds,
+                         implementation=implementation)
+        self.backend = normalize_backend_name(backend)
+        self.transport = transport
+
+    def merge(self, options):
+        merged = super().merge(options)
+        if not isinstance(merged, CommOptions):  # pragma: no cover - super deep-copies self
+            merged = CommOptions(self.backend, merged.bytes_per_pack, merged.timeout_seconds,
+                                 merged.implementation)
+        if isinstance(options, CommOptions):
+            if options.backend is not None:
+                merged.backend = options.backend
+            if options.transport is not None:
+                merged.transport = options.transport
+        return merged
+
+    def __str__(self):
+        return (f"CommOptions(backend={self.backend}, bytes_per_pack={self.bytes_per_pack}, "
+                f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation})")
+
+
+def backend_of(options) -> Optional[str]:
+    """The backend an options object asks for, or None when it leaves the choice to the strategy."""
+    if options is None:
+        return None
+    b = getattr(options, "backend", None)
+    if b:
+        return b
+    impl = getattr(options, "implementation", Implementation.AUTO)
+    if impl == Implementation.RING:
+        return "grpc"
+    if impl == Implementation.NCCL:
+        return "nccl"
+    return None
+
+
+def choose_backend(per_call, strategy_backend: Optional[str], strategy_options) -> Optional[str]:
+    """Backend for one call: per-call options > strategy's backend > strategy's options > None
+    (None: the process group's default, i.e. ``TFCS_BACKEND`` or "auto")."""
+    return backend_of(per_call) or strategy_backend or backend_of(strategy_options)
+
+
+def merge(default: Optional[collective_util.Options], per_call) -> collective_util.Options:
+    """Timeout and pack size: per-call values override the strategy's (TF's ``Options.merge``)."""
+    base = copy.deepcopy(default) if default is not None else collective_util.Options()
+    return base.merge(per_call) if per_call is not None else base

@@ -1,0 +1,205 @@
+"""``CommStrategy``: MirroredStrategy's in-worker machinery, our collectives between workers.
+
+One replica per local device per worker; ``num_replicas_in_sync`` is the global count. It subclasses
+``tf.distribute.MirroredStrategy`` (and ``MirroredExtended``) but is deliberately *not* a
+``MultiWorkerMirroredStrategy``: tf_keras would then sum per-batch logs across workers.
+
+What differs from MirroredStrategy, and why:
+
+* replica ids, ``num_replicas_in_sync``, multi-worker mode, chief-only checkpoints/summaries: global;
+* datasets: each worker reads its shard (an ``InputContext`` per worker, as MWMS does);
+* initial values: variables created under the scope take rank 0's value (a broadcast), optimizer
+  slots included, so no callback is needed for identical starting points;
+* every reduction, including int32 ones and CPU destinations that MirroredStrategy sends elsewhere,
+  goes through ``CommCrossDeviceOps`` so it crosses workers;
+* ``sync_metrics=False`` reduces metric variables (SyncOnRead) over local replicas only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cdo
+from tensorflow.python.distribute import distribute_lib, input_util, mirrored_strategy, reduce_util
+from tensorflow.python.distribute import values as value_lib
+from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
+from tensorflow.python.training import server_lib
+from tensorflow.python.trackable import base as trackable_base
+
+from .. import process
+from ..core.backend import normalize_backend_name
+from . import keras_compat, tensor_ops
+from .cross_device_ops import CommCrossDeviceOps
+
+log = logging.getLogger("tf_commstrategy")
+
+
+class CommStrategy(tf.distribute.MirroredStrategy):
+    """Synchronous data parallelism across workers; ``model.fit`` works unchanged.
+
+    Args:
+      devices: this worker's devices (default: all local GPUs, else the CPU).
+      backend: default backend, "grpc" | "nccl" | "auto" (default: ``TFCS_BACKEND``, else "auto").
+      communication_options: a ``tf.distribute.experimental.CommunicationOptions`` or ``CommOptions``
+        used when a call brings none (RING -> grpc, NCCL -> nccl; timeout_seconds, bytes_per_pack).
+      sync_metrics: True (default): metrics are global, reduced across workers when read. False: metrics
+        stay local per worker (faster); average epoch logs with ``callbacks.MetricAverageCallback``.
+      timeout: collective deadline in seconds (default ``TFCS_TIMEOUT`` or 300).
+      **init_kwargs: passed to ``tf_commstrategy.init`` when the process group is not yet initialized.
+
+    Raises:
+      ConfigurationError, RendezvousError: from ``tf_commstrategy.init``.
+    """
+
+    def __init__(self, devices: Optional[Sequence[str]] = None, backend: Optional[str] = None,
+                 communication_options=None, sync_metrics: bool = True, timeout: Optional[float] = None,
+                 **init_kwargs):
+        group = process.init(timeout=timeout, **init_kwargs) if init_kwargs or timeout or \
+            not process.is_initialized() else process.default_group()
+        extended = CommExtended(self, devices, group, normalize_backend_name(backend), communication_options,
+                                sync_metrics)
+        distribute_lib.Strategy.__init__(self, extended)
+        keras_compat.install()
+
+    @property
+    def process_group(self):
+        return self.extended._group
+
+
+class CommExtended(mirrored_strategy.MirroredExtended):
+    """The strategy's implementation; see the module docstring for what it changes."""
+
+    def __init__(self, container, devices, group, backend, communication_options, sync_metrics):
+        self._group = group
+        self._backend_name = backend
+        self._sync_metrics = bool(sync_metrics)
+        self._num_workers = group.size
+        self._id_in_cluster = group.rank
+        self._task_type = "worker"
+        self._task_id = group.rank
+        self._is_chief = group.rank == 0
+        self._cluster_resolver = SimpleClusterResolver(
+            server_lib.ClusterSpec({"worker": [f"rank{i}:0" for i in range(group.size)]}),
+            task_type="worker", task_id=group.rank, rpc_layer="tfcs")
+        super().__init__(container, devices=devices, cross_device_ops=CommCrossDeviceOps(self))
+        self._communication_options = communication_options
+        self._cross_device_ops = CommCrossDeviceOps(self)
+
+    # -- topology ----------------------------------------------------------------------------------
+    @property
+    def _num_replicas_in_sync(self):
+        return len(self._devices) * self._num_workers
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return self._id_in_cluster * len(self._devices) + replica_id
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group - self._id_in_cluster * len(self._devices)
+
+    def _in_multi_worker_mode(self):
+        return self._num_workers > 1
+
+    @property
+    def experimental_between_graph(self):
+        return True
+
+    @property
+    def should_checkpoint(self):
+        return self._is_chief
+
+    @property
+    def should_save_summary(self):
+        return self._is_chief
+
+    def _use_merge_call(self):
+        return True
+
+    def _get_cross_device_ops(self, value):
+        return self._cross_device_ops
+
+    # -- input -------------------------------------------------------------------------------------
+    def _make_input_context(self):
+        return distribute_lib.InputContext(num_input_pipelines=self._num_workers,
+                                           input_pipeline_id=self._id_in_cluster,
+                                           num_replicas_in_sync=self._num_replicas_in_sync)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        if options and options.experimental_replication_mode == distribute_lib.InputReplicationMode.PER_REPLICA:
+            raise NotImplementedError("InputReplicationMode.PER_REPLICA is not supported by CommStrategy")
+        return input_util.get_distributed_dataset(
+            dataset, self._input_workers_with_options(options), self._container_strategy(),
+            num_replicas_in_sync=self._num_replicas_in_sync, input_context=self._make_input_context(),
+            options=options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        if options and options.experimental_replication_mode == distribute_lib.InputReplicationMode.PER_REPLICA:
+            raise NotImplementedError("InputReplicationMode.PER_REPLICA is not supported by CommStrategy")
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn=dataset_fn, input_workers=self._input_workers_with_options(options),
+            input_contexts=[self._make_input_context()], strategy=self._container_strategy(), options=options)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        per_replica = []
+        for local_id in range(len(self._devices)):
+            replica_id = self._id_in_cluster * len(self._devices) + local_id
+            per_replica.append(value_fn(distribute_lib.ValueContext(replica_id, self._num_replicas_in_sync)))
+        from tensorflow.python.distribute import distribute_utils
+        return distribute_utils.regroup(per_replica, always_wrap=True)
+
+    # -- variables: rank 0's initial values everywhere -----------------------------------------------
+    def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
+        if replica_id != 0 or self._num_workers == 1:
+            return super()._get_variable_creator_initial_value(replica_id, device, primary_var, **kwargs)
+        initial_value = kwargs["initial_value"]
+        dtype = kwargs.get("dtype", None)
+
+        def initial_value_fn():
+            with tf.device(device):
+                value = initial_value() if callable(initial_value) else initial_value
+                if isinstance(value, trackable_base.CheckpointInitialValue):
+                    value = value.wrapped_value
+                value = tf.convert_to_tensor(value, dtype=dtype)
+                if not _broadcastable(value.dtype):
+                    return value
+                return tf.identity(tensor_ops.broadcast(value, 0))
+        return initial_value_fn
+
+    # -- reductions --------------------------------------------------------------------------------
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if isinstance(value, value_lib.Mirrored) and reduce_op == reduce_util.ReduceOp.MEAN:
+            return value
+        local_only = (not self._sync_metrics) and isinstance(value, value_lib.SyncOnReadVariable)
+        if not isinstance(value, value_lib.DistributedValues) and self._num_workers == 1:
+            return cdo.reduce_non_distributed_value(reduce_op, value, destinations, len(self._devices))
+        if isinstance(value, value_lib.DistributedValues):
+            per_replica = value
+        else:
+            per_replica = cdo._make_tensor_into_per_replica(value)  # pylint: disable=protected-access
+        if destinations is None:
+            destinations = per_replica
+        return self._cross_device_ops.batch_reduce_implementation(
+            reduce_op, [(per_replica, destinations)], options, local_only=local_only)[0]
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        pairs = []
+        for v, d in value_destination_pairs:
+            if not isinstance(v, value_lib.DistributedValues):
+                v = cdo._make_tensor_into_per_replica(v)  # pylint: disable=protected-access
+            pairs.append((v, d if d is not None else v))
+        return self._cross_device_ops.batch_reduce_implementation(reduce_op, pairs, options)
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        if not isinstance(value, value_lib.DistributedValues):
+            value = cdo._make_tensor_into_per_replica(value)  # pylint: disable=protected-access
+        return self._cross_device_ops._gather_implementation(value, destinations, axis, options)
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        # Always through merge_call -> batch_reduce_to (our fused cross-worker path).
+        return distribute_lib.StrategyExtendedV2._replica_ctx_all_reduce(self, reduce_op, value, options)
+
+
+def _broadcastable(dtype: tf.DType) -> bool:
+    return dtype in (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32,
+                     tf.int64, tf.bool)

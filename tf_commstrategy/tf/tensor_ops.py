@@ -1,0 +1,112 @@
+"""TF tensors in, TF tensors out: the collective core called through ``tf.py_function``.
+
+Why ``py_function``: it is *stateful*, and TF's automatic control dependencies run stateful ops of a
+``tf.function`` in program order, so every rank issues its collectives in the same order. (A
+stateless ``numpy_function`` may be reordered, and ranks would then disagree.) The order is
+checked at run time by each collective's sequence number and signature, never by trace-time
+counters: Keras traces its train function more than once.
+
+Eagerly, the numpy work runs directly with no py_function in between.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_util
+
+from ..core.reduce_ops import ReduceOp, check_dtype
+from ..errors import ConfigurationError, UnsupportedOperationError
+from ..process import default_group
+
+HOST = "/device:CPU:0"
+
+
+def check_not_xla(what: str) -> None:
+    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        raise UnsupportedOperationError(
+            f"{what} cannot run inside an XLA-compiled function (jit_compile=True): tf_commstrategy's "
+            "collectives are Python calls (tf.py_function), which XLA cannot compile",
+            fix="compile with jit_compile=False (the default); to keep XLA for the math, jit-compile only "
+                "the forward/backward function and leave the gradient all-reduce outside it")
+
+
+def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Sequence[tf.Tensor],
+              out_dtypes: Sequence[tf.DType], out_shapes: Sequence, name: str = "tfcs_collective"):
+    """Run ``fn`` on the tensors' numpy values, eagerly or as one stateful py_function on the host."""
+    check_not_xla(name)
+    if tf.executing_eagerly():
+        outs = fn([t.numpy() for t in tensors])
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, out_dtypes)]
+
+    def body(*ts):
+        return [np.asarray(o) for o in fn([t.numpy() for t in ts])]
+
+    with tf.device(HOST):
+        outs = tf.py_function(body, list(tensors), list(out_dtypes), name=name)
+    if not isinstance(outs, (list, tuple)):
+        outs = [outs]
+    for o, s in zip(outs, out_shapes):
+        o.set_shape(s)
+    return list(outs)
+
+
+def _backend(name, arr=None):
+    return default_group().resolve_backend(name, arr if arr is not None else np.empty(0))
+
+
+def _tensor(x):
+    return tf.convert_to_tensor(x)
+
+
+def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """``tfcs.allreduce`` for a tf.Tensor (eager or inside tf.function); returns a tensor."""
+    op = ReduceOp.parse(op)
+    t = _tensor(x)
+    check_dtype(t.dtype.as_numpy_dtype, op)
+    out, = run_numpy(lambda a: [_backend(backend, a[0]).allreduce(a[0], op, timeout)], [t], [t.dtype], [t.shape],
+                     name="tfcs_allreduce")
+    return out
+
+
+def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    op = ReduceOp.parse(op)
+    ts = [_tensor(x) for x in xs]
+    for t in ts:
+        check_dtype(t.dtype.as_numpy_dtype, op)
+    return run_numpy(lambda arrs: _backend(backend, arrs[0]).batch_allreduce(arrs, op, timeout), ts,
+                     [t.dtype for t in ts], [t.shape for t in ts], name="tfcs_grouped_allreduce")
+
+
+def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    n = default_group().size
+    if not 0 <= int(root_rank) < n:
+        raise ConfigurationError(f"root_rank={root_rank} is not a rank of this job of {n}",
+                                 rank=default_group().rank, fix=f"use a root in 0..{n - 1}")
+    t = _tensor(x)
+    check_dtype(t.dtype.as_numpy_dtype)
+    out, = run_numpy(lambda a: [_backend(backend, a[0]).broadcast(a[0], int(root_rank), timeout)], [t], [t.dtype],
+                     [t.shape], name="tfcs_broadcast")
+    return out
+
+
+def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    t = _tensor(x)
+    check_dtype(t.dtype.as_numpy_dtype)
+    shape = tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape([None])
+    out, = run_numpy(lambda a: [_backend(backend, a[0]).allgather(a[0], timeout)], [t], [t.dtype], [shape],
+                     name="tfcs_allgather")
+    return out
+
+
+def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    op = ReduceOp.parse(op)
+    t = _tensor(x)
+    check_dtype(t.dtype.as_numpy_dtype, op)
+    shape = tf.TensorShape([None]).concatenate(t.shape[1:])
+    out, = run_numpy(lambda a: [_backend(backend, a[0]).reduce_scatter(a[0], op, timeout)], [t], [t.dtype],
+                     [shape], name="tfcs_reduce_scatter")
+    return out
