@@ -59,6 +59,11 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
                 fix="call init() once per process with the same settings, or tfcs.shutdown() first")
         _group = ProcessGroup(settings)
         if not _atexit_registered:
+            # Must run before concurrent.futures joins the gRPC servers' worker threads at interpreter exit
+            # (threading's exit hooks run before atexit ones, newest first); plain atexit stays as a fallback.
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                register(_shutdown_at_exit)
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
         log.info("tf_commstrategy: rank %d of %d (local %d of %d) joined via %s", _group.rank, _group.size,

@@ -170,7 +170,7 @@ class CommExtended(mirrored_strategy.MirroredExtended):
     def _reduce_to(self, reduce_op, value, destinations, options):
         if isinstance(value, value_lib.Mirrored) and reduce_op == reduce_util.ReduceOp.MEAN:
             return value
-        local_only = (not self._sync_metrics) and isinstance(value, value_lib.SyncOnReadVariable)
+        local_only = isinstance(value, value_lib.SyncOnReadVariable) and self._replica_local_read_is_local(value)
         if not isinstance(value, value_lib.DistributedValues) and self._num_workers == 1:
             return cdo.reduce_non_distributed_value(reduce_op, value, destinations, len(self._devices))
         if isinstance(value, value_lib.DistributedValues):
@@ -181,6 +181,22 @@ class CommExtended(mirrored_strategy.MirroredExtended):
             destinations = per_replica
         return self._cross_device_ops.batch_reduce_implementation(
             reduce_op, [(per_replica, destinations)], options, local_only=local_only)[0]
+
+    def _replica_local_read_is_local(self, var) -> bool:
+        """Which reads of replica-local (SyncOnRead) variables stay on this worker.
+
+        * SUM-aggregated ones are metric state (totals, counts). tf_keras reads them on every rank,
+          in the train/test step and at epoch end, so they are reduced across workers, unless
+          ``sync_metrics=False`` asked for local metrics.
+        * MEAN-aggregated ones are BatchNormalization moving statistics. Inside a tf.function (which
+          every rank runs) they are averaged across workers; read eagerly, e.g. by ``model.save()`` or
+          ``get_weights()`` on rank 0 alone, they give this worker's average without a collective, so
+          ``if tfcs.rank() == 0: model.save(path)`` works and never hangs. Their values may then differ
+          between workers, as they do under Horovod (each worker's statistics come from its own batches).
+        """
+        if var.aggregation == tf.VariableAggregation.MEAN:
+            return tf.executing_eagerly()
+        return not self._sync_metrics
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         pairs = []

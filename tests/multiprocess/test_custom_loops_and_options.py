@@ -1,0 +1,155 @@
+"""Custom training loops, the direct API on tf.Tensors, and per-call backend selection."""
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.helpers import run_workers
+
+
+def _setup(local_devices=1):
+    from tests.multiprocess.tf_workloads import setup_tf
+    tf = setup_tf(local_devices)
+    import tf_commstrategy as tfcs
+    return tf, tfcs
+
+
+def _ctl(rank, size):
+    tf, tfcs = _setup(local_devices=2)
+    strategy = tfcs.CommStrategy(devices=["/cpu:0", "/cpu:1"])
+    n_rep = strategy.num_replicas_in_sync
+    out = {}
+    # ReplicaContext.all_reduce and strategy.reduce / gather over per-replica values
+    def replica_fn():
+        ctx = tf.distribute.get_replica_context()
+        rid = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, rid + 1.0), tf.reshape(rid, [1])
+    s, ids = tf.function(lambda: strategy.run(replica_fn))()
+    out["all_reduce"] = [float(v) for v in strategy.experimental_local_results(s)]
+    out["gather"] = strategy.gather(ids, axis=0).numpy().tolist()
+    out["reduce_mean"] = float(strategy.reduce(tf.distribute.ReduceOp.MEAN, ids, axis=None).numpy()[0])
+    # experimental_distribute_values_from_function gives global replica ids
+    vals = strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant([ctx.replica_id_in_sync_group]))
+    out["values_from_fn"] = strategy.gather(vals, axis=0).numpy().tolist()
+    # gradients through ReplicaContext.all_reduce
+    with strategy.scope():
+        w = tf.Variable(2.0)
+
+    @tf.function
+    def grad_step():
+        def fn():
+            with tf.GradientTape() as tape:
+                y = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, w * w)
+            return tape.gradient(y, w)
+        return strategy.run(fn)
+    out["grad"] = [float(g) for g in strategy.experimental_local_results(grad_step())]
+    # a GradientTape training loop over a distributed dataset; per-replica batches are disjoint
+    x = np.arange(48, dtype=np.float32).reshape(48, 1)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(12)
+    dist = strategy.experimental_distribute_dataset(ds)
+    with strategy.scope():
+        v = tf.Variable(0.0)
+
+    @tf.function
+    def train_step(batch):
+        def fn(b):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum((v - b) ** 2) / 12.0
+            g = tape.gradient(loss, v)
+            g = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, g)
+            v.assign_sub(0.01 * g)
+            return tf.reduce_sum(b)
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(fn, args=(batch,)), axis=None)
+    seen = [float(train_step(b)) for b in dist]
+    out["ctl_batch_sums"] = seen
+    out["ctl_v"] = float(v.numpy())
+    # distribute_datasets_from_function: each worker its own pipeline
+    def dataset_fn(ctx):
+        return tf.data.Dataset.range(8).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(
+            ctx.get_per_replica_batch_size(8))
+    dfn = strategy.distribute_datasets_from_function(dataset_fn)
+    first = next(iter(dfn))
+    out["dfn_first"] = strategy.gather(first, axis=0).numpy().tolist()
+    return out
+
+
+def test_custom_training_loop_primitives_cross_workers():
+    size, local = 2, 2
+    res = run_workers(_ctl, size, timeout=240)
+    n = size * local
+    for r in res:
+        assert r == res[0]
+    out = res[0]
+    assert out["all_reduce"] == [n * (n + 1) / 2] * local
+    assert out["gather"] == list(range(n))
+    assert out["reduce_mean"] == pytest.approx(np.mean(range(n)))
+    assert out["values_from_fn"] == list(range(n))
+    assert out["grad"] == [2 * 2.0 * n] * local  # d/dw of sum over replicas of w^2, summed again
+    x = np.arange(48, dtype=np.float32)
+    assert out["ctl_batch_sums"] == [float(x[i:i + 12].sum()) for i in range(0, 48, 12)]
+    # single-process reference of the same loop on the global batch (numpy)
+    v = 0.0
+    for i in range(0, 48, 12):
+        b = x[i:i + 12]
+        v -= 0.01 * float(np.sum(2 * (v - b)) / 12.0)
+    assert out["ctl_v"] == pytest.approx(v, rel=1e-5)
+    # each worker's pipeline is its own shard: together the first global batch holds all 8 elements
+    assert sorted(out["dfn_first"]) == list(range(8))
+
+
+def _direct_tensors(rank, size):
+    tf, tfcs = _setup()
+    tfcs.init()
+    t = tf.constant([1.0, 2.0]) * (rank + 1)
+    eager = tfcs.allreduce(t).numpy().tolist()
+
+    @tf.function
+    def f(x):
+        return tfcs.allreduce(x, op="max"), tfcs.broadcast(x, root_rank=1), tfcs.allgather(x[:rank + 1])
+    m, b, g = f(t)
+    return eager, m.numpy().tolist(), b.numpy().tolist(), g.numpy().tolist(), isinstance(m, tf.Tensor)
+
+
+def test_direct_api_accepts_tensors_eagerly_and_in_tf_function():
+    for eager, mx, b, g, is_tensor in run_workers(_direct_tensors, 2, timeout=120):
+        assert eager == [3.0, 6.0] and mx == [2.0, 4.0] and b == [2.0, 4.0] and g == [1.0, 2.0, 4.0]
+        assert is_tensor
+
+
+def _per_call(rank, size):
+    tf, tfcs = _setup()
+    from tf_commstrategy.process import default_group
+    strategy = tfcs.CommStrategy(backend="grpc")
+    grpc = default_group().backend("grpc")
+    CO = tf.distribute.experimental.CommunicationOptions
+    Impl = tf.distribute.experimental.CommunicationImplementation
+    x = tf.constant([float(rank + 1)])
+    pr = strategy.experimental_distribute_values_from_function(lambda ctx: x)
+    out = {}
+    before = grpc.stats()["seq"]
+    r = strategy.extended.reduce_to(tf.distribute.ReduceOp.SUM, pr, destinations="/cpu:0",
+                                options=CO(implementation=Impl.RING))
+    out["ring"] = (float(r.numpy()[0]), grpc.stats()["seq"] - before)
+    for name, opts in [("nccl_tf", CO(implementation=Impl.NCCL)), ("nccl_ours", tfcs.CommOptions(backend="nccl"))]:
+        try:
+            strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(pr, "/cpu:0")], options=opts)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    before = grpc.stats()["seq"]
+    r = strategy.extended.reduce_to(tf.distribute.ReduceOp.MEAN, pr, destinations="/cpu:0",
+                                    options=tfcs.CommOptions(backend="grpc", timeout_seconds=5))
+    out["ours_grpc"] = (float(r.numpy()[0]), grpc.stats()["seq"] - before)
+    return out
+
+
+def test_per_call_options_reach_the_matching_backend():
+    for out in run_workers(_per_call, 2, timeout=120, expect_failure=True).values():
+        kind, out = out
+        assert kind == "ok", out
+        assert out["ring"] == (3.0, 1)  # one collective on the grpc backend
+        assert out["ours_grpc"] == (1.5, 1)
+        for k in ("nccl_tf", "nccl_ours"):
+            assert "BackendUnavailableError" in out[k] and "backend 'nccl' cannot run here" in out[k], out[k]
+            assert "cupy" in out[k] or "GPU" in out[k]

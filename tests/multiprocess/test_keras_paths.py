@@ -1,0 +1,113 @@
+"""tf_keras features under CommStrategy on 2 real workers (assertions in the parent)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.helpers import run_workers
+
+
+def _setup():
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import tf_keras as keras
+    import tf_commstrategy as tfcs
+    return tf, keras, tfcs
+
+
+def _model(keras, strategy, seed, bn=True, **compile_kw):
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        layers = [keras.layers.Dense(8, activation="relu", input_shape=(10,))]
+        if bn:
+            layers.append(keras.layers.BatchNormalization())
+        layers.append(keras.layers.Dense(2))
+        m = keras.Sequential(layers)
+        m.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], **compile_kw)
+    return m
+
+
+def _data(tf, n=256, batch=32):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 10)).astype(np.float32)
+    y = (x.sum(1) > 0).astype(np.int64)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def _scenario(rank, size, which, tmp):
+    tf, keras, tfcs = _setup()
+    strategy = tfcs.CommStrategy()
+    ds = _data(tf)
+    if which == "steps_per_execution_validation":
+        m = _model(keras, strategy, rank, steps_per_execution=3)
+        return m.fit(ds, epochs=2, verbose=0, validation_data=ds).history, [w.tolist() for w in m.get_weights()[:1]]
+    if which == "run_eagerly":
+        m = _model(keras, strategy, rank, run_eagerly=True)
+        return m.fit(ds, epochs=1, verbose=0).history, [w.tolist() for w in m.get_weights()[:1]]
+    if which == "mixed_precision":
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        m = _model(keras, strategy, rank)
+        h = m.fit(ds, epochs=1, verbose=0).history
+        return h, type(m.optimizer).__name__, [w.tolist() for w in m.get_weights()[:1]]
+    if which == "early_stopping":
+        m = _model(keras, strategy, rank)
+        cb = keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)
+        return len(m.fit(ds, epochs=20, verbose=0, validation_data=ds, callbacks=[cb]).history["loss"])
+    if which == "model_checkpoint":
+        m = _model(keras, strategy, rank)
+        m.fit(ds, epochs=2, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint(
+            os.path.join(tmp, "ckpt", "w.{epoch}.h5"), save_weights_only=True)])
+        tfcs.barrier()
+        return sorted(os.listdir(os.path.join(tmp, "ckpt")))
+    if which == "save_on_rank0":
+        m = _model(keras, strategy, rank)
+        m.fit(ds, epochs=1, verbose=0)
+        if tfcs.rank() == 0:  # the common idiom: only rank 0 saves
+            m.save(os.path.join(tmp, "model.h5"))
+            m.save_weights(os.path.join(tmp, "weights.h5"))
+        tfcs.barrier()
+        restored = keras.models.load_model(os.path.join(tmp, "model.h5"))
+        return [w.tolist() for w in restored.get_weights()[:2]], [w.tolist() for w in m.get_weights()[:2]]
+    if which == "jit_compile":
+        m = _model(keras, strategy, rank, jit_compile=True)
+        try:
+            m.fit(ds, epochs=1, verbose=0)
+        except Exception as e:  # noqa: BLE001
+            return type(e).__name__, str(e)
+        return "no error", ""
+    raise ValueError(which)
+
+
+@pytest.mark.parametrize("which", ["steps_per_execution_validation", "run_eagerly", "mixed_precision"])
+def test_training_variants_agree_across_workers(which, tmp_path):
+    res = run_workers(_scenario, 2, which, str(tmp_path), timeout=240)
+    assert res[0] == res[1]
+    hist = res[0][0]
+    assert all(np.isfinite(v).all() for v in hist.values())
+    if which == "steps_per_execution_validation":
+        assert set(hist) == {"loss", "accuracy", "val_loss", "val_accuracy"} and len(hist["loss"]) == 2
+    if which == "mixed_precision":
+        assert res[0][1] == "LossScaleOptimizerV3"
+
+
+def test_early_stopping_stops_every_worker_at_the_same_epoch(tmp_path):
+    assert run_workers(_scenario, 2, "early_stopping", str(tmp_path), timeout=240) == [2, 2]
+
+
+def test_model_checkpoint_chief_writes_others_clean_up(tmp_path):
+    files = run_workers(_scenario, 2, "model_checkpoint", str(tmp_path), timeout=240)
+    assert files[0] == files[1] == ["w.1.h5", "w.2.h5"]  # no worker temp dirs left behind
+
+
+def test_save_on_rank0_only_works_without_hanging(tmp_path):
+    res = run_workers(_scenario, 2, "save_on_rank0", str(tmp_path), timeout=240, env={"TFCS_TIMEOUT": "30"})
+    for restored, live in res:
+        np.testing.assert_allclose(restored[0], res[0][1][0])  # what rank 0 saved is the shared model
+
+
+def test_jit_compile_is_refused_with_a_clear_error(tmp_path):
+    for name, msg in run_workers(_scenario, 2, "jit_compile", str(tmp_path), timeout=240):
+        assert "cannot run inside an XLA-compiled function" in msg and "jit_compile=False" in msg

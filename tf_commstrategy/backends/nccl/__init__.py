@@ -1,0 +1,46 @@
+"""The "nccl" backend: NVIDIA NCCL through cupy (``cupy.cuda.nccl``), for GPU buffers.
+
+``availability()`` says, without side effects, why nccl cannot run here (or None when it can);
+selecting nccl where it cannot run raises ``BackendUnavailableError`` at once with that reason.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ...core.backend import register_backend, unavailable
+
+
+def availability() -> Optional[str]:
+    """None when nccl can run here, else the reason it cannot."""
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed"
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except ImportError as e:
+        return f"cupy cannot load the NCCL library ({e})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # cupy raises CUDARuntimeError without a driver
+        return f"no visible GPU (CUDA runtime: {e})"
+    if count == 0:
+        return "no visible GPU"
+    return None
+
+
+_FIX = ("install the nccl extra (pip install 'tf_commstrategy[nccl]': cupy-cuda12x and the NCCL runtime) on a "
+        "machine with an NVIDIA GPU, or use backend='grpc' / CommunicationOptions(implementation=RING)")
+
+
+def make_backend(group):
+    problem = availability()
+    if problem is not None:
+        raise unavailable("nccl", problem, _FIX)
+    from .backend import NcclBackend
+    return NcclBackend(group)
+
+
+make_backend.availability = availability
+register_backend("nccl", make_backend)
