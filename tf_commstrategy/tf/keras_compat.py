@@ -5,7 +5,8 @@ instances; for any other strategy it concatenates this worker's replicas only. C
 purpose not an MWMS instance (tf_keras would then also sum per-batch training logs across
 workers), so ``reduce_per_replica(..., "concat")`` is routed through tf_keras's own multi-worker
 concatenation (``strategy.gather`` -> our all-gather), in the same replica order it uses for MWMS.
-Every other reduction is left to tf_keras unchanged.
+Every other reduction is left to tf_keras unchanged. Also, ``verbose="auto"`` (the default of
+fit/evaluate/predict) shows the progress bar on rank 0 only.
 """
 
 from __future__ import annotations
@@ -34,4 +35,17 @@ def install() -> None:
 
     reduce_per_replica.__wrapped__ = original
     training.reduce_per_replica = reduce_per_replica
+
+    original_verbosity = training._get_verbosity
+
+    def _get_verbosity(verbose, distribute_strategy):
+        # verbose="auto" (tf_keras's default) under CommStrategy: the progress bar on rank 0 only.
+        from .strategy import CommStrategy
+        if verbose == "auto" and isinstance(distribute_strategy, CommStrategy) and \
+                distribute_strategy.extended._id_in_cluster != 0:
+            return 0
+        return original_verbosity(verbose, distribute_strategy)
+
+    _get_verbosity.__wrapped__ = original_verbosity
+    training._get_verbosity = _get_verbosity
     _installed = True

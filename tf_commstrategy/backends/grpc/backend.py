@@ -75,6 +75,7 @@ class GrpcRingBackend(Backend):
         self.mailbox = wire.Mailbox()
         self._lock = threading.Lock()
         self._seq = 0
+        self._busy_s = 0.0  # time spent inside collectives (for step-time splits in benchmarks)
         self._failed: Optional[BaseException] = None
         self._right_stream: Optional[transport.PeerStream] = None
         self._addresses: List[str] = []
@@ -112,7 +113,8 @@ class GrpcRingBackend(Backend):
             self._seq += 1
             if self.size == 1:
                 return body(None)
-            link = _Link(self, seq, sig, time.monotonic() + timeout, timeout)
+            t0 = time.monotonic()
+            link = _Link(self, seq, sig, t0 + timeout, timeout)
             try:
                 result = body(link)
                 self.mailbox.forget(seq)
@@ -124,6 +126,8 @@ class GrpcRingBackend(Backend):
                 err = CollectiveError(f"collective #{seq} [{sig}] failed: {e!r}", rank=self.rank, seq=seq)
                 self._fail(err, notify_peers=True)
                 raise err from e
+            finally:
+                self._busy_s += time.monotonic() - t0
 
     def _fail(self, error: BaseException, notify_peers: bool) -> None:
         if self._failed is not None:
@@ -228,7 +232,7 @@ class GrpcRingBackend(Backend):
         return isinstance(buf, np.ndarray)
 
     def stats(self) -> dict:
-        return {"seq": self._seq, "pending_messages": self.mailbox.pending()}
+        return {"seq": self._seq, "pending_messages": self.mailbox.pending(), "busy_s": self._busy_s}
 
     def close(self) -> None:
         if self._right_stream is not None:

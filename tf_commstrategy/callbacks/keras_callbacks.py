@@ -1,0 +1,142 @@
+"""Keras callbacks for multi-worker training (Horovod's, for tf_keras on TF >= 2.16).
+
+Place ``MetricAverageCallback`` *before* callbacks that act on epoch logs (EarlyStopping,
+ReduceLROnPlateau, ModelCheckpoint(save_best_only=True), CSVLogger, TensorBoard): they then see the
+averaged values, and every worker takes the same decision.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import tf_keras as keras
+
+from .. import collectives, process
+from . import logic
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """At the start of every ``fit``, give every worker root's model and optimizer variables.
+
+    The optimizer's slots are built first, so they exist and are broadcast too. Useful when workers
+    start from different states: weights loaded from a checkpoint on the root only, different seeds,
+    or a model built outside ``CommStrategy``'s scope. Works with ``CommStrategy`` and with a plain
+    single-device strategy per worker (it uses the direct collective API).
+
+    Args:
+      root_rank: the rank whose state everybody takes.
+    """
+
+    def __init__(self, root_rank: int = 0):
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcasts = 0
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        opt = model.optimizer
+        with model.distribute_strategy.scope():
+            if opt is not None and hasattr(opt, "build") and not getattr(opt, "_built", False):
+                opt.build(model.trainable_variables)
+        variables = list(model.variables) + (list(opt.variables) if opt is not None else [])
+        # one variable object may appear twice (shared layers); broadcast each once
+        unique, seen = [], set()
+        for v in variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                unique.append(v)
+        values = logic.broadcast_state([np.asarray(v.numpy()) for v in unique], self.root_rank,
+                                       lambda arrs, root: collectives.grouped_broadcast(arrs, root_rank=root))
+        for v, val in zip(unique, values):
+            v.assign(val)
+        self.broadcasts += 1
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """At epoch end, replace every scalar in ``logs`` (training and ``val_*``) by its mean over workers.
+
+    With local metrics (``CommStrategy(sync_metrics=False)`` or no CommStrategy) this makes the epoch
+    logs global; with global metrics it changes nothing (identical values are left as they are).
+    Keys are reduced in sorted order, so every rank issues the same collectives.
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or process.size() == 1:
+            return
+        logic.average_logs(logs, lambda a, op: collectives.allreduce(a, op=op))
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Gradual learning-rate warmup from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``,
+    adjusted every batch (Goyal et al. 2017, "Accurate, Large Minibatch SGD"; Horovod's callback).
+
+    Args:
+      initial_lr: the learning rate reached at the end of the warmup (usually base_lr * size).
+      warmup_epochs: number of epochs the warmup lasts.
+      steps_per_epoch: batches per epoch (default: what ``fit`` reports).
+      verbose: 1 prints the learning rate on rank 0 when the warmup ends.
+    """
+
+    def __init__(self, initial_lr: float, warmup_epochs: float = 5, steps_per_epoch: Optional[int] = None,
+                 verbose: int = 0):
+        super().__init__()
+        self.initial_lr = float(initial_lr)
+        self.warmup_epochs = warmup_epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self._epoch = 0
+        self.current_lr = None
+
+    def on_train_begin(self, logs=None):
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = self.params.get("steps") or 1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def lr_at(self, epoch: int, batch: int) -> float:
+        frac = epoch + float(batch) / max(1, self.steps_per_epoch)
+        return self.initial_lr * logic.warmup_multiplier(frac, process.size() if process.is_initialized() else 1,
+                                                         self.warmup_epochs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._epoch >= self.warmup_epochs:
+            return
+        self.current_lr = self.lr_at(self._epoch, batch)
+        _set_lr(self.model.optimizer, self.current_lr)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == int(np.ceil(self.warmup_epochs)):
+            self.current_lr = self.initial_lr
+            _set_lr(self.model.optimizer, self.initial_lr)
+            if self.verbose and process.rank() == 0:
+                print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
+        if logs is not None:
+            logs["lr"] = float(np.asarray(_get_lr(self.model.optimizer)))
+
+
+def _lr_var(opt):
+    return getattr(opt, "learning_rate", None) if hasattr(opt, "learning_rate") else opt.lr
+
+
+def _set_lr(opt, value: float) -> None:
+    var = _lr_var(opt)
+    if hasattr(var, "assign"):
+        var.assign(value)
+    else:
+        keras.backend.set_value(var, value)
+
+
+def _get_lr(opt):
+    var = _lr_var(opt)
+    return var.numpy() if hasattr(var, "numpy") else var
+
+
+def verbosity(verbose="auto") -> int:
+    """``verbose`` argument for fit/evaluate/predict: the progress bar on rank 0 only.
+
+    ``model.fit(..., verbose=tfcs.callbacks.verbosity())``; under ``CommStrategy`` the default
+    ``verbose="auto"`` already does this.
+    """
+    return logic.rank0_verbosity(verbose, process.rank() if process.is_initialized() else 0)
