@@ -23,7 +23,7 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m "slow and not gpu" tests
 
 demo: $(STAMP)
-	$(BIN)/tfcs-run -np 2 $(BIN)/python examples/collective_demo.py
+	$(BIN)/tfcs-run -np 2 $(BIN)/python examples/keras_mnist.py
 
 bench: $(STAMP)
 	$(BIN)/tfcs-bench -np 2 --op allreduce --sizes 8,4K,256K,4M,64M,256M --compare tf-ring,gloo \

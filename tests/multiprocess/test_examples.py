@@ -1,0 +1,25 @@
+"""Every example runs through tfcs-run in a fresh process (shortened by flags) and exits 0."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+CASES = [
+    (["examples/keras_mnist.py", "--epochs", "1", "--train-samples", "2048"], "final: test accuracy"),
+    (["examples/custom_training_loop.py", "--steps", "5"], "weights identical on 2 workers"),
+    (["examples/keras_synthetic_benchmark.py", "--iters", "2", "--batches-per-iter", "3", "--warmup-batches", "2"],
+     "total img/sec on 2 workers"),
+    (["examples/per_call_backend.py", "--steps", "5"], "gradients via grpc, metrics via grpc"),
+    (["examples/collective_demo.py"], "allgather=[0, 1, 1]"),
+]
+
+
+@pytest.mark.parametrize("args,expect", CASES, ids=[c[0][0].split("/")[1] for c in CASES])
+def test_example_runs_on_two_workers(args, expect):
+    r = subprocess.run([sys.executable, "-m", "tf_commstrategy.run", "-np", "2", sys.executable] + args,
+                       cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert expect in r.stdout
