@@ -17,6 +17,7 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 300.0          # collective deadline
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
 DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit
+DEFAULT_SMALL_BYTES = 256 << 10    # all-reduce by all-gather up to this many bytes moved per rank
 DEFAULT_BACKEND = "auto"
 
 _SIZE_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
@@ -60,6 +61,10 @@ def rendezvous_timeout_from_env(environ=None) -> float:
 
 def chunk_bytes_from_env(environ=None) -> int:
     return env_value("TFCS_CHUNK_BYTES", parse_size, DEFAULT_CHUNK_BYTES, environ)
+
+
+def small_bytes_from_env(environ=None) -> int:
+    return env_value("TFCS_SMALL_ALLREDUCE_BYTES", parse_size, DEFAULT_SMALL_BYTES, environ)
 
 
 def backend_from_env(environ=None) -> str:

@@ -140,3 +140,23 @@ def test_low_precision_sums_accumulate_in_float32(dtype, big, op):
         return flat[lo:hi]
     out, _ = run_ring(3, rs)
     assert [float(o[0]) for o in out] == [float(np.array(want, dtype))] * 3
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MAX, ReduceOp.PROD])
+def test_small_allreduce_by_allgather_matches_numpy_and_is_bitwise_identical(size, op):
+    rng = np.random.default_rng(size)
+    inputs = [rng.standard_normal(37).astype(np.float32) for _ in range(size)]
+    out, links = run_ring(size, lambda l: ring.allreduce(l, inputs[l.rank].copy(), op, 5, small_bytes=1 << 20))
+    ref = {ReduceOp.SUM: np.sum, ReduceOp.MEAN: np.mean, ReduceOp.MAX: np.max, ReduceOp.PROD: np.prod}[op]
+    np.testing.assert_allclose(out[0], ref(np.stack(inputs).astype(np.float64), axis=0), rtol=1e-5)
+    for o in out[1:]:
+        np.testing.assert_array_equal(o, out[0])
+    assert all(l.sent == (size - 1) * 8 for l in links)  # W-1 all-gather steps of 8 chunks: the small path ran
+
+
+def test_low_precision_small_path_accumulates_in_float32():
+    inputs = [np.array([2048.0] * 3, np.float16), np.ones(3, np.float16), np.ones(3, np.float16)]
+    out, _ = run_ring(3, lambda l: ring.allreduce(l, inputs[l.rank].copy(), ReduceOp.SUM, 1, small_bytes=1 << 20))
+    for o in out:
+        np.testing.assert_array_equal(o.astype(np.float64), [2050.0] * 3)

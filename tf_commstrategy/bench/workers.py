@@ -29,6 +29,18 @@ def iterations(nbytes: int, budget_s: float) -> int:
     return int(max(5, min(2000, budget_s / est)))
 
 
+def timed(call, iters: int, warmup: int = 3):
+    """Per-call wall times (seconds) of ``iters`` back-to-back calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _schedule(sizes, budget):
     for nbytes in sizes:
         yield nbytes, max(1, nbytes // DTYPE_BYTES), iterations(nbytes, budget)
@@ -50,14 +62,7 @@ def run_tfcs(args, rank, size):
         check = call()
         if args.op == "allreduce":
             assert np.all(check == size * (size + 1) / 2), "wrong allreduce result"
-        for _ in range(3):
-            call()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        results[nbytes] = times
+        results[nbytes] = timed(call, iters)
     tfcs.barrier()
     info = {"transport": "grpc"}
     tfcs.shutdown()
@@ -96,15 +101,7 @@ def run_tf_ring(args, rank, size):
             # MWMS gives every worker rank 0's initial value, so the sum is size * that value
             first = float(strategy.experimental_local_results(v)[0].numpy()[0])
             assert np.all(strategy.experimental_local_results(out)[0].numpy() == size * first)
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            r = step()
-            strategy.experimental_local_results(r)[0].numpy()
-            times.append(time.perf_counter() - t0)
-        results[nbytes] = times
+        results[nbytes] = timed(lambda: strategy.experimental_local_results(step())[0].numpy(), iters)
     return results, {}
 
 
@@ -136,14 +133,7 @@ def run_gloo(args, rank, size):
                 return outs
         if args.op == "allreduce":
             assert bool((call() == size * (size + 1) / 2).all())
-        for _ in range(3):
-            call()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        results[nbytes] = times
+        results[nbytes] = timed(call, iters)
     dist.barrier()
     dist.destroy_process_group()
     return results, {"torch": torch.__version__}

@@ -99,8 +99,31 @@ def _allgather_steps(link, flat: np.ndarray, chunks: Sequence, step0: int, send_
                 link.send((step0 + t + 1, c), _as_bytes(flat[a:b]))
 
 
-def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int) -> np.ndarray:
+def allreduce_by_allgather(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int) -> np.ndarray:
+    """Small-message all-reduce: ring all-gather of every rank's whole buffer, then a local reduction
+    in rank order (identical bits on every rank). W - 1 ring steps instead of 2 (W - 1): half the
+    latency for small buffers, at the price of moving (W - 1) x the buffer instead of 2 (W - 1) / W x.
+    """
+    W, r = link.size, link.rank
+    n = flat.size
+    gathered = np.empty(n * W, dtype=flat.dtype)
+    gathered[r * n:(r + 1) * n] = flat
+    allgather(link, gathered, [n] * W, chunk_elems)
+    blocks = gathered.reshape(W, n)
+    wide = needs_wide_accumulator(flat.dtype, op)
+    acc = blocks[0].astype(np.float32) if wide else blocks[0].copy()
+    for i in range(1, W):
+        combine_into(acc, blocks[i].astype(np.float32) if wide else blocks[i], op)
+    if op is ReduceOp.MEAN:
+        finish_mean(acc, W)
+    flat[...] = acc
+    return flat
+
+
+def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_bytes: int = 0) -> np.ndarray:
     """In-place ring all-reduce of a 1-D contiguous array; returns it.
+
+    Buffers with ``nbytes * (size - 1) <= small_bytes`` take ``allreduce_by_allgather`` instead.
 
     float16 / bfloat16 sums, means and products travel as float32 partials through the
     reduce-scatter half and are rounded once, so the result is the float32 reduction rounded
@@ -111,6 +134,8 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int) -> np.ndar
         if op is ReduceOp.MEAN:
             finish_mean(flat, W)
         return flat
+    if small_bytes > 0 and flat.nbytes * (W - 1) <= small_bytes:
+        return allreduce_by_allgather(link, flat, op, chunk_elems)
     bounds = even_bounds(flat.size, W)
     chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems) for i in range(W)]
     if needs_wide_accumulator(flat.dtype, op):

@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from ... import config
 from ...core import ring
 from ...core.backend import Backend, register_backend
 from ...core.reduce_ops import ReduceOp
@@ -72,6 +73,7 @@ class GrpcRingBackend(Backend):
         self.rank = group.rank
         self.size = group.size
         self.chunk_bytes = group.chunk_bytes
+        self.small_bytes = config.small_bytes_from_env()
         self.mailbox = wire.Mailbox()
         self._lock = threading.Lock()
         self._seq = 0
@@ -162,7 +164,7 @@ class GrpcRingBackend(Backend):
         def body(link):
             if link is None:
                 return ring.allreduce(_Single(), flat, op, ce).reshape(buf.shape)
-            return ring.allreduce(link, flat, op, ce).reshape(buf.shape)
+            return ring.allreduce(link, flat, op, ce, self.small_bytes).reshape(buf.shape)
         return self._run(sig, timeout, body)
 
     def reduce_scatter(self, buf: np.ndarray, op: ReduceOp, timeout=None) -> np.ndarray:

@@ -47,7 +47,15 @@ class DataServer:
                         "further ones are not logged", self.rank, what)
 
     def _send(self, request_iterator, context):
+        # The sender names itself in the call metadata, so a peer that dies before its first message
+        # is still known (and reported) when its stream breaks.
         sender = None
+        for key, value in context.invocation_metadata() or ():
+            if key == RANK_METADATA_KEY:
+                try:
+                    sender = int(value) if 0 <= int(value) < self.world_size else None
+                except ValueError:
+                    sender = None
         try:
             for msg in request_iterator:
                 try:
@@ -96,6 +104,7 @@ class DataServer:
 
 
 _CLOSE = object()
+RANK_METADATA_KEY = "tfcs-rank"
 
 
 class PeerStream:
@@ -108,8 +117,8 @@ class PeerStream:
         self._channel = grpc_util.open_channel(address)
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         call = grpc_util.stream_unary(self._channel, SERVICE, "Send")
-        self._future = call.future(self._messages(), metadata=grpc_util.call_metadata(token),
-                                   wait_for_ready=True)
+        metadata = tuple(grpc_util.call_metadata(token) or ()) + ((RANK_METADATA_KEY, str(my_rank)),)
+        self._future = call.future(self._messages(), metadata=metadata, wait_for_ready=True)
         self._token = token
 
     def _messages(self):
