@@ -17,7 +17,7 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 300.0          # collective deadline
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
 DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit
-DEFAULT_SMALL_BYTES = 256 << 10    # all-reduce by all-gather up to this many bytes moved per rank
+DEFAULT_SMALL_BYTES = 0            # opt-in (TFCS_SMALL_ALLREDUCE_BYTES): all-reduce by all-gather up to this many bytes per rank
 DEFAULT_BACKEND = "auto"
 
 _SIZE_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,

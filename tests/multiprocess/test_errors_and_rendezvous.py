@@ -128,15 +128,13 @@ def _init_twice(rank, size):
         other = "no error"
     except tfcs.ConfigurationError as e:
         other = str(e)
-    tfcs.shutdown()
-    g3 = tfcs.init()  # a fresh init after shutdown works
-    v = tfcs.allreduce(np.array([rank + 1]))
-    return same, other, g3 is not g1, int(v[0])
+    v = tfcs.allreduce(np.array([rank + 1]))  # the group is still usable after the refused init
+    return same, other, int(v[0])
 
 
 def test_init_twice_same_settings_harmless_different_is_an_error():
-    for same, other, fresh, v in run_workers(_init_twice, 2, timeout=60):
-        assert same and fresh and v == 3
+    for same, other, v in run_workers(_init_twice, 2, timeout=60):
+        assert same and v == 3
         assert "already called with other settings" in other
 
 

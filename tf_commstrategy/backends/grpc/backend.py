@@ -39,7 +39,9 @@ class _Link:
         self._b._right().send(wire.encode(self._seq, key[0], key[1], self.rank, self._sig, payload))
 
     def recv(self, key):
-        item = self._b.mailbox.take((self._seq,) + tuple(key), self._deadline, self._left, self._sig)
+        right = self._b._right_stream
+        item = self._b.mailbox.take((self._seq,) + tuple(key), self._deadline, self._left, self._sig,
+                                    health=right.broken if right is not None else None)
         if item is None:
             right = self._b._right_stream.broken() if self._b._right_stream else None
             if right is not None:

@@ -75,13 +75,14 @@ class Mailbox:
             self._seq_sig.setdefault(key[0], sig)
             self._cv.notify_all()
 
-    def take(self, key: Key, deadline: float, sender: int, sig: Optional[bytes] = None):
+    def take(self, key: Key, deadline: float, sender: int, sig: Optional[bytes] = None, health=None):
         """Wait for ``key`` from ``sender`` until ``deadline`` (time.monotonic()).
 
         Returns (sig, payload) or None on timeout. When any message of the same collective (same
         seq) has arrived under another signature than ``sig``, returns (that_sig, None) at once: the
         ranks disagree and the awaited key may never come. Raises the poisoning error, or the peer's
-        PeerLostError if its stream ended before the message came.
+        PeerLostError if its stream ended before the message came. ``health()``, called about once
+        a second while waiting, may return an error to raise (e.g. our own stream to a peer broke).
         """
         with self._cv:
             while True:
@@ -98,6 +99,10 @@ class Mailbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
+                if health is not None:
+                    problem = health()
+                    if problem is not None:
+                        raise problem
                 self._cv.wait(min(left, 1.0))
 
     def forget(self, seq: int) -> None:
