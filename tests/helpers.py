@@ -13,7 +13,6 @@ import os
 import pickle
 import queue as queue_mod
 import socket
-import sys
 import time
 import traceback
 

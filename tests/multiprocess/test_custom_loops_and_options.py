@@ -1,7 +1,5 @@
 """Custom training loops, the direct API on tf.Tensors, and per-call backend selection."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -18,7 +16,6 @@ def _setup(local_devices=1):
 def _ctl(rank, size):
     tf, tfcs = _setup(local_devices=2)
     strategy = tfcs.CommStrategy(devices=["/cpu:0", "/cpu:1"])
-    n_rep = strategy.num_replicas_in_sync
     out = {}
     # ReplicaContext.all_reduce and strategy.reduce / gather over per-replica values
     def replica_fn():

@@ -8,7 +8,7 @@ from tests.multiprocess import tf_workloads as W
 
 
 def _distributed(rank, size, local_devices):
-    tf = W.setup_tf(local_devices)
+    W.setup_tf(local_devices)
     import tf_commstrategy as tfcs
     devices = [f"/cpu:{i}" for i in range(local_devices)]
     strategy = tfcs.CommStrategy(devices=devices)

@@ -6,7 +6,7 @@ Nothing here imports TensorFlow: the functions take plain values and the collect
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 

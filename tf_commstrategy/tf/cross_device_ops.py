@@ -14,7 +14,7 @@ Public methods validate (TF's ``CrossDeviceOps``), ``*_implementation`` methods 
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 import tensorflow as tf
@@ -70,13 +70,12 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options, local_only=False):
-        options = options if options is not None else None
         merged = self._options(options)
         backend = self._backend_name(options)
         n_global = self._ext._num_replicas_in_sync if not local_only else len(self._ext.worker_devices)
-        dense_idx = [i for i, (v, _) in enumerate(value_destination_pairs)
-                     if not isinstance(_values(v)[0], indexed_slices.IndexedSlices)]
-        sparse_idx = [i for i in range(len(value_destination_pairs)) if i not in set(dense_idx)]
+        is_sparse = [isinstance(_values(v)[0], indexed_slices.IndexedSlices) for v, _ in value_destination_pairs]
+        dense_idx = [i for i, sparse in enumerate(is_sparse) if not sparse]
+        sparse_idx = [i for i, sparse in enumerate(is_sparse) if sparse]
         results: List = [None] * len(value_destination_pairs)
 
         local_sums = [self._local_sum(value_destination_pairs[i][0]) for i in dense_idx]

@@ -17,12 +17,12 @@ What differs from MirroredStrategy, and why:
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cdo
-from tensorflow.python.distribute import distribute_lib, input_util, mirrored_strategy, reduce_util
+from tensorflow.python.distribute import (distribute_lib, distribute_utils, input_util, mirrored_strategy,
+                                             reduce_util)
 from tensorflow.python.distribute import values as value_lib
 from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 from tensorflow.python.training import server_lib
@@ -33,7 +33,6 @@ from ..core.backend import normalize_backend_name
 from . import keras_compat, tensor_ops
 from .cross_device_ops import CommCrossDeviceOps
 
-log = logging.getLogger("tf_commstrategy")
 
 
 class CommStrategy(tf.distribute.MirroredStrategy):
@@ -56,8 +55,10 @@ class CommStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices: Optional[Sequence[str]] = None, backend: Optional[str] = None,
                  communication_options=None, sync_metrics: bool = True, timeout: Optional[float] = None,
                  **init_kwargs):
-        group = process.init(timeout=timeout, **init_kwargs) if init_kwargs or timeout or \
-            not process.is_initialized() else process.default_group()
+        if process.is_initialized() and not init_kwargs and timeout is None:
+            group = process.default_group()  # joined already (tfcs.init with whatever settings)
+        else:
+            group = process.init(timeout=timeout, **init_kwargs)
         extended = CommExtended(self, devices, group, normalize_backend_name(backend), communication_options,
                                 sync_metrics)
         distribute_lib.Strategy.__init__(self, extended)
@@ -84,8 +85,8 @@ class CommExtended(mirrored_strategy.MirroredExtended):
             server_lib.ClusterSpec({"worker": [f"rank{i}:0" for i in range(group.size)]}),
             task_type="worker", task_id=group.rank, rpc_layer="tfcs")
         super().__init__(container, devices=devices, cross_device_ops=CommCrossDeviceOps(self))
+        # MirroredExtended set NCCL options as its default; ours are the user's (or none)
         self._communication_options = communication_options
-        self._cross_device_ops = CommCrossDeviceOps(self)
 
     # -- topology ----------------------------------------------------------------------------------
     @property
@@ -145,7 +146,6 @@ class CommExtended(mirrored_strategy.MirroredExtended):
         for local_id in range(len(self._devices)):
             replica_id = self._id_in_cluster * len(self._devices) + local_id
             per_replica.append(value_fn(distribute_lib.ValueContext(replica_id, self._num_replicas_in_sync)))
-        from tensorflow.python.distribute import distribute_utils
         return distribute_utils.regroup(per_replica, always_wrap=True)
 
     # -- variables: rank 0's initial values everywhere -----------------------------------------------

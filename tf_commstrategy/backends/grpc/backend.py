@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import numpy as np
 
@@ -14,8 +13,8 @@ from ... import config
 from ...core import ring
 from ...core.backend import Backend, register_backend
 from ...core.reduce_ops import ReduceOp
-from ...errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, TfcsError,
-                       UnsupportedOperationError)
+from ...errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
+                       TfcsError, UnsupportedOperationError)
 from . import transport, wire
 
 log = logging.getLogger("tf_commstrategy")
@@ -36,7 +35,7 @@ class _Link:
         self._left = (self.rank - 1) % self.size
 
     def send(self, key, payload) -> None:
-        self._b._right().send(wire.encode(self._seq, key[0], key[1], self.rank, self._sig, payload))
+        self._b._right_stream.send(wire.encode(self._seq, key[0], key[1], self.rank, self._sig, payload))
 
     def recv(self, key):
         right = self._b._right_stream
@@ -101,9 +100,6 @@ class GrpcRingBackend(Backend):
     def address_of(self, rank: int) -> str:
         return self._addresses[rank] if rank < len(self._addresses) else "?"
 
-    def _right(self) -> transport.PeerStream:
-        return self._right_stream
-
     # -- running one collective ------------------------------------------------------------------
     def _run(self, sig: str, timeout: Optional[float], body):
         timeout = self.group.timeout if timeout is None else float(timeout)
@@ -139,7 +135,6 @@ class GrpcRingBackend(Backend):
         self._failed = error
         self.mailbox.fail(error)
         if notify_peers and self.size > 1:
-            from ...errors import CollectiveAbortedError
             if isinstance(error, CollectiveAbortedError):
                 return  # it came from another rank, which notified everybody already
             msg = f"{type(error).__name__}: {error}"
@@ -164,9 +159,7 @@ class GrpcRingBackend(Backend):
         ce = self._chunk_elems(buf.dtype)
 
         def body(link):
-            if link is None:
-                return ring.allreduce(_Single(), flat, op, ce).reshape(buf.shape)
-            return ring.allreduce(link, flat, op, ce, self.small_bytes).reshape(buf.shape)
+            return ring.allreduce(link or _Single(), flat, op, ce, self.small_bytes).reshape(buf.shape)
         return self._run(sig, timeout, body)
 
     def reduce_scatter(self, buf: np.ndarray, op: ReduceOp, timeout=None) -> np.ndarray:
@@ -228,9 +221,6 @@ class GrpcRingBackend(Backend):
             if link is not None:
                 ring.allreduce(link, token, ReduceOp.SUM, 1)
         self._run("barrier", timeout, body)
-
-    def batch_allgather(self, bufs: Sequence, timeout=None) -> List:
-        return [self.allgather(b, timeout) for b in bufs]
 
     def accepts(self, buf) -> bool:
         return isinstance(buf, np.ndarray)
