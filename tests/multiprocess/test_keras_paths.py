@@ -111,3 +111,62 @@ def test_save_on_rank0_only_works_without_hanging(tmp_path):
 def test_jit_compile_is_refused_with_a_clear_error(tmp_path):
     for name, msg in run_workers(_scenario, 2, "jit_compile", str(tmp_path), timeout=240):
         assert "cannot run inside an XLA-compiled function" in msg and "jit_compile=False" in msg
+
+
+def _backup(rank, size, tmp, interrupt_at):
+    tf, keras, tfcs = _setup()
+    strategy = tfcs.CommStrategy()
+    ds = _data(tf)
+    m = _model(keras, strategy, 5, bn=False)
+    epochs_run = []
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs_run.append(epoch)
+            if interrupt_at is not None and epoch == interrupt_at:
+                raise RuntimeError("simulated preemption")
+
+    try:
+        m.fit(ds, epochs=4, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(os.path.join(tmp, "backup")),
+                                                  Interrupt()])
+        done = True
+    except RuntimeError:
+        done = False
+    return done, epochs_run, [w.tolist() for w in m.get_weights()]
+
+
+def test_backup_and_restore_resumes_after_interruption_with_nothing_lost(tmp_path):
+    (_, _, straight), _ = run_workers(_backup, 2, str(tmp_path / "a"), None, timeout=240)
+    first = run_workers(_backup, 2, str(tmp_path / "b"), 2, timeout=240)
+    assert [f[0] for f in first] == [False, False] and first[0][1] == [0, 1, 2]
+    second = run_workers(_backup, 2, str(tmp_path / "b"), None, timeout=240)  # a fresh job, same backup dir
+    for done, epochs_run, weights in second:
+        assert done and epochs_run == [2, 3]  # resumed at the interrupted epoch
+        for a, b in zip(weights, straight):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _sparse(rank, size):
+    tf, keras, tfcs = _setup()
+    strategy = tfcs.CommStrategy()
+
+    def fn():
+        ctx = tf.distribute.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        values = tf.fill([2, 3], tf.cast(rid + 1, tf.float32))
+        indices = tf.constant([0, 4]) + tf.cast(rid, tf.int32)
+        s = tf.IndexedSlices(values, indices, dense_shape=tf.constant([6, 3]))
+        out = ctx.all_reduce(tf.distribute.ReduceOp.SUM, s)
+        return out
+    out = tf.function(lambda: strategy.run(fn))()
+    return type(out).__name__, tf.convert_to_tensor(out).numpy().tolist()
+
+
+def test_indexed_slices_are_all_gathered_and_sum_like_dense():
+    size = 2
+    want = np.zeros((6, 3))
+    for r in range(size):
+        want[[0 + r, 4 + r]] += r + 1
+    for kind, dense in run_workers(_sparse, size, timeout=120):
+        assert kind == "IndexedSlices"  # stayed sparse end to end
+        np.testing.assert_array_equal(dense, want)
