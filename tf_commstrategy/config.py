@@ -16,7 +16,8 @@ T = TypeVar("T")
 #: Built-in defaults, documented in docs/usage.md.
 DEFAULT_TIMEOUT_S = 300.0          # collective deadline
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
-DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit
+DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit over gRPC (per-message overhead ~50-100 us)
+DEFAULT_SOCKET_CHUNK_BYTES = 4 << 20  # ... over raw sockets (measured: 64 MiB all-reduce 155 ms -> 51 ms)
 DEFAULT_SMALL_BYTES = 0            # opt-in (TFCS_SMALL_ALLREDUCE_BYTES): all-reduce by all-gather up to this many bytes per rank
 DEFAULT_BACKEND = "auto"
 
@@ -59,8 +60,9 @@ def rendezvous_timeout_from_env(environ=None) -> float:
     return env_value("TFCS_RENDEZVOUS_TIMEOUT", _positive_float, DEFAULT_RENDEZVOUS_TIMEOUT_S, environ)
 
 
-def chunk_bytes_from_env(environ=None) -> int:
-    return env_value("TFCS_CHUNK_BYTES", parse_size, DEFAULT_CHUNK_BYTES, environ)
+def chunk_bytes_from_env(environ=None) -> Optional[int]:
+    """None when unset: the ring then picks a size that suits its transports."""
+    return env_value("TFCS_CHUNK_BYTES", parse_size, None, environ)
 
 
 def small_bytes_from_env(environ=None) -> int:

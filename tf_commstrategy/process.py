@@ -22,7 +22,7 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
          coordinator: Optional[str] = None, backend: Optional[str] = None, timeout: Optional[float] = None,
          rendezvous_timeout: Optional[float] = None, chunk_bytes: Optional[int] = None,
          bind_host: Optional[str] = None, advertise_host: Optional[str] = None,
-         token: Optional[str] = None) -> ProcessGroup:
+         token: Optional[str] = None, transport: Optional[str] = None) -> ProcessGroup:
     """Join the job (a collective call: every worker calls it).
 
     Args:
@@ -37,6 +37,8 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
         (``TFCS_BIND_HOST`` / ``TFCS_ADVERTISE_HOST``; defaults: loopback for a loopback coordinator,
         else all interfaces and the address that routes to the coordinator).
       token: the per-job secret every RPC must carry (``TFCS_TOKEN``; tfcs-run generates one).
+      transport: the ring's data path, "auto" | "unix" | "tcp" | "grpc" (``TFCS_TRANSPORT``; "auto": Unix
+        sockets between ranks on one host, gRPC between hosts; "tcp": raw TCP between hosts, opt-in).
 
     Returns:
       The process group (also reachable through the module functions).
@@ -48,7 +50,7 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
     global _group, _atexit_registered
     spec = resolve_cluster(rank, world_size, local_rank, coordinator)
     settings = GroupSettings.resolve(spec, backend, timeout, rendezvous_timeout, chunk_bytes,
-                                     bind_host, advertise_host, token)
+                                     bind_host, advertise_host, token, transport)
     with _lock:
         if _group is not None:
             if _group.settings == settings:

@@ -82,11 +82,15 @@ def matrix_worker(rank, size, seed):
     return report
 
 
+# Every data path under the ring: unix sockets (the default on one host), gRPC, and opt-in raw TCP.
+TRANSPORTS = [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (2, "grpc"), (3, "grpc"), (3, "tcp")]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_allreduce_matrix_matches_numpy(size):
+@pytest.mark.parametrize("size,transport", TRANSPORTS)
+def test_allreduce_matrix_matches_numpy(size, transport):
     seed = 1234 + size
-    results = run_workers(matrix_worker, size, seed, timeout=540)
+    results = run_workers(matrix_worker, size, seed, timeout=540, env={"TFCS_TRANSPORT": transport})
     for rank, report in enumerate(results):
         assert len(report) == (len(DTYPES) - 1) * len(OPS) * len(SIZES) + 2 * len(SIZES)
         for dname, op, n, err, got in report:
@@ -131,10 +135,10 @@ def movement_worker(rank, size, seed):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_broadcast_allgather_reduce_scatter_match_numpy(size):
+@pytest.mark.parametrize("size,transport", TRANSPORTS)
+def test_broadcast_allgather_reduce_scatter_match_numpy(size, transport):
     seed = 99 + size
-    results = run_workers(movement_worker, size, seed, timeout=540)
+    results = run_workers(movement_worker, size, seed, timeout=540, env={"TFCS_TRANSPORT": transport})
     for rank, out in enumerate(results):
         for dname, n, root, b, g, rs in out:
             dtype = _dtype(dname)
@@ -159,3 +163,15 @@ def test_broadcast_allgather_reduce_scatter_match_numpy(size):
             want_rs = np.array_split(total, size)[rank]
             np.testing.assert_allclose(rs.astype(np.float64), want_rs.astype(np.float64),
                                        rtol=_tolerance(dtype, "sum", size), atol=_tolerance(dtype, "sum", size))
+
+
+def _which_transport(rank, size):
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.process import default_group
+    tfcs.init()
+    return default_group().backend("grpc").stats()["transport"]
+
+
+@pytest.mark.parametrize("requested,expected", [("auto", "unix"), ("grpc", "grpc"), ("tcp", "tcp")])
+def test_transport_choice_per_neighbour_pair(requested, expected):
+    assert run_workers(_which_transport, 2, timeout=60, env={"TFCS_TRANSPORT": requested}) == [expected] * 2

@@ -4,6 +4,7 @@ import os
 import socket
 
 import numpy as np
+import pytest
 
 from tests.helpers import run_workers
 
@@ -32,8 +33,9 @@ def _nodelay(rank, size):
     return flags
 
 
-def test_every_connected_tcp_socket_has_nodelay():
-    for flags in run_workers(_nodelay, 2, timeout=60):
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_every_connected_tcp_socket_has_nodelay(transport):
+    for flags in run_workers(_nodelay, 2, timeout=60, env={"TFCS_TRANSPORT": transport}):
         assert flags, "no connected TCP sockets found"
         assert all(f != 0 for f in flags), flags
 

@@ -32,14 +32,15 @@ class GroupSettings:
     backend: str
     timeout: float
     rendezvous_timeout: float
-    chunk_bytes: int
+    chunk_bytes: Optional[int]  # None: chosen by the ring for its transports
     bind_host: Optional[str]
     advertise_host: Optional[str]
+    transport: str = "auto"
     token: Optional[str] = dataclasses.field(repr=False, default=None)
 
     @classmethod
     def resolve(cls, spec: ClusterSpec, backend=None, timeout=None, rendezvous_timeout=None,
-                chunk_bytes=None, bind_host=None, advertise_host=None, token=None, environ=None):
+                chunk_bytes=None, bind_host=None, advertise_host=None, token=None, transport=None, environ=None):
         env = os.environ if environ is None else environ
         b = normalize_backend_name(backend) or normalize_backend_name(config.backend_from_env(env))
         return cls(
@@ -51,6 +52,7 @@ class GroupSettings:
             chunk_bytes=int(chunk_bytes) if chunk_bytes is not None else config.chunk_bytes_from_env(env),
             bind_host=bind_host or env.get("TFCS_BIND_HOST") or None,
             advertise_host=advertise_host or env.get("TFCS_ADVERTISE_HOST") or None,
+            transport=transport or env.get("TFCS_TRANSPORT") or "auto",
             token=token if token is not None else (env.get("TFCS_TOKEN") or None),
         )
 
@@ -59,7 +61,7 @@ class ProcessGroup:
     """A joined job: rank, size, the coordinator store, and lazily built backends."""
 
     def __init__(self, settings: GroupSettings):
-        if settings.timeout <= 0 or settings.chunk_bytes <= 0:
+        if settings.timeout <= 0 or (settings.chunk_bytes is not None and settings.chunk_bytes <= 0):
             raise ConfigurationError(f"timeout={settings.timeout} and chunk_bytes={settings.chunk_bytes} "
                                      "must be positive", fix="pass positive values")
         self.settings = settings
@@ -69,6 +71,7 @@ class ProcessGroup:
         self.rendezvous_timeout = settings.rendezvous_timeout
         self.chunk_bytes = settings.chunk_bytes
         self.token = settings.token
+        self.transport = settings.transport
         coord_host = split_host_port(settings.coordinator)[0] if settings.coordinator else "127.0.0.1"
         self.bind_host = settings.bind_host or rdv.default_bind_host(coord_host)
         self.advertise_host = settings.advertise_host or rdv.default_advertise_host(coord_host)

@@ -15,7 +15,7 @@ from ...core.backend import Backend, register_backend
 from ...core.reduce_ops import ReduceOp
 from ...errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                        TfcsError, UnsupportedOperationError)
-from . import transport, wire
+from . import socket_transport, transport, wire
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -35,7 +35,11 @@ class _Link:
         self._left = (self.rank - 1) % self.size
 
     def send(self, key, payload) -> None:
-        self._b._right_stream.send(wire.encode(self._seq, key[0], key[1], self.rank, self._sig, payload))
+        self._b._right_stream.send_frame(self._seq, key[0], key[1], self._sig, payload)
+
+    def finish(self) -> None:
+        """The collective is done here: make sure our last frames left before the buffer is returned."""
+        self._b._right_stream.drain(max(0.1, self._deadline - time.monotonic()))
 
     def recv(self, key):
         right = self._b._right_stream
@@ -75,6 +79,8 @@ class GrpcRingBackend(Backend):
         self.size = group.size
         self.chunk_bytes = group.chunk_bytes
         self.small_bytes = config.small_bytes_from_env()
+        if self.chunk_bytes is None and self.size == 1:
+            self.chunk_bytes = config.DEFAULT_CHUNK_BYTES
         self.mailbox = wire.Mailbox()
         self._lock = threading.Lock()
         self._seq = 0
@@ -83,6 +89,8 @@ class GrpcRingBackend(Backend):
         self._right_stream: Optional[transport.PeerStream] = None
         self._addresses: List[str] = []
         self._server = None
+        self._socket_server = None
+        self.transport = "none"
         if self.size > 1:
             self._connect()
 
@@ -93,9 +101,28 @@ class GrpcRingBackend(Backend):
                                             self.mailbox, self.address_of)
         me = f"{g.advertise_host}:{self._server.port}"
         g.store.set(f"grpc/addr/{self.rank}", me)
+        # The data path to each ring neighbour: unix sockets on one host, grpc (or opt-in tcp) between hosts.
+        requested = socket_transport.parse_transport(g.transport)
+        left, right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        same = lambda a, b: g.workers[a].host_key == g.workers[b].host_key  # noqa: E731
+        links = [socket_transport.choose(requested, same(i, (i + 1) % self.size)) for i in range(self.size)]
+        inbound, outbound = links[left], links[self.rank]
+        if self.chunk_bytes is None:  # the same on every rank: chunk keys must agree around the ring
+            sockets_only = all(k in ("unix", "tcp") for k in links)
+            self.chunk_bytes = config.DEFAULT_SOCKET_CHUNK_BYTES if sockets_only else config.DEFAULT_CHUNK_BYTES
+        if inbound in ("unix", "tcp"):
+            self._socket_server = socket_transport.SocketServer(self.rank, self.size, inbound, g.bind_host,
+                                                                g.token, self.mailbox, self.address_of)
+            addr = self._socket_server.address or f"{g.advertise_host}:{self._socket_server.port}"
+            g.store.set(f"sock/addr/{self.rank}", addr)
         self._addresses = [g.store.get(f"grpc/addr/{i}", g.rendezvous_timeout) for i in range(self.size)]
-        right = (self.rank + 1) % self.size
-        self._right_stream = transport.PeerStream(self._addresses[right], g.token, right, self.rank)
+        if outbound in ("unix", "tcp"):
+            addr = g.store.get(f"sock/addr/{right}", g.rendezvous_timeout)
+            self._right_stream = socket_transport.SocketStream(addr, g.token, right, self.rank, g.rendezvous_timeout)
+        else:
+            self._right_stream = transport.PeerStream(self._addresses[right], g.token, right, self.rank)
+        self.transport = outbound
+        log.info("tf_commstrategy rank %d: ring data path to rank %d: %s", self.rank, right, outbound)
 
     def address_of(self, rank: int) -> str:
         return self._addresses[rank] if rank < len(self._addresses) else "?"
@@ -117,6 +144,7 @@ class GrpcRingBackend(Backend):
             link = _Link(self, seq, sig, t0 + timeout, timeout)
             try:
                 result = body(link)
+                link.finish()
                 self.mailbox.forget(seq)
                 return result
             except TfcsError as e:
@@ -226,7 +254,8 @@ class GrpcRingBackend(Backend):
         return isinstance(buf, np.ndarray)
 
     def stats(self) -> dict:
-        return {"seq": self._seq, "pending_messages": self.mailbox.pending(), "busy_s": self._busy_s}
+        return {"seq": self._seq, "pending_messages": self.mailbox.pending(), "busy_s": self._busy_s,
+                "transport": self.transport}
 
     def close(self) -> None:
         if self._right_stream is not None:
@@ -235,6 +264,9 @@ class GrpcRingBackend(Backend):
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if self._socket_server is not None:
+            self._socket_server.stop()
+            self._socket_server = None
 
 
 class _Single:

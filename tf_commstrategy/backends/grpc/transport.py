@@ -147,6 +147,13 @@ class PeerStream:
             raise self.broken()
         self._queue.put(msg)
 
+    def send_frame(self, seq: int, step: int, chunk: int, sig: bytes, payload) -> None:
+        """Frame and queue one chunk (one copy: gRPC's sync API sends only exact ``bytes``)."""
+        self.send(wire.encode(seq, step, chunk, self.my_rank, sig, payload))
+
+    def drain(self, timeout: float) -> None:
+        """Nothing to wait for: ``send_frame`` copied the payload already."""
+
     def close(self, timeout: float = 5.0) -> None:
         if not self._future.done():
             self._queue.put(wire.encode_bye(self.my_rank))
