@@ -35,7 +35,7 @@ def worker(mode, steps, out):
     import tf_keras as keras
     n = int(os.environ.get("TFCS_WORLD_SIZE", "1"))
     rank = int(os.environ.get("TFCS_RANK", "0"))
-    if mode == "tfcs":
+    if mode.startswith("tfcs"):
         import tf_commstrategy as tfcs
         strategy = tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
         global_batch = PER_WORKER_BATCH * n
@@ -70,7 +70,7 @@ def worker(mode, steps, out):
 
 
 def _comm_seconds(mode):
-    if mode != "tfcs":
+    if not mode.startswith("tfcs"):
         return 0.0
     from tf_commstrategy.process import default_group
     return default_group().backend("grpc").stats()["busy_s"]
@@ -90,9 +90,10 @@ def run_mode(mode, n, steps):
     d = tempfile.mkdtemp()
     outs = [os.path.join(d, f"r{i}.json") for i in range(n)]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--steps", str(steps)]
-    if mode == "tfcs":
-        subprocess.run([sys.executable, "-m", "tf_commstrategy.run", "-np", str(n)] + cmd + ["--out", outs[0]],
-                       check=True)
+    if mode.startswith("tfcs"):
+        transport = ["--transport", "grpc"] if mode == "tfcs-grpc" else []
+        subprocess.run([sys.executable, "-m", "tf_commstrategy.run", "-np", str(n)] + transport + cmd +
+                       ["--out", outs[0]], check=True)
         results = [json.load(open(outs[0]))]
     else:
         ports = _free_ports(n)
@@ -121,13 +122,13 @@ def main():
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--json")
-    p.add_argument("--modes", default="tfcs,mwms,ceiling")
+    p.add_argument("--modes", default="tfcs,tfcs-grpc,mwms,ceiling")
     a = p.parse_args()
     if a.worker:
         return worker(a.worker, a.steps, a.out)
     modes = a.modes.split(",")
     res = {m: run_mode(m, a.workers, a.steps) for m in modes}
-    if len(modes) < 3:
+    if not {"tfcs", "mwms", "ceiling"} <= set(modes):
         print(json.dumps(res, indent=1))
         return
     t, m, c = res["tfcs"], res["mwms"], res["ceiling"]
@@ -135,8 +136,11 @@ def main():
           f"{a.steps} timed steps\n")
     print("| job | samples/s (global) | step time | vs MWMS | fraction of ceiling |")
     print("|---|---|---|---|---|")
-    for name, r in (("tfcs CommStrategy (grpc)", t), ("TF MultiWorkerMirroredStrategy (RING)", m),
-                    ("ceiling: independent processes", c)):
+    rows = [("tfcs CommStrategy (unix-socket ring)", t)]
+    if "tfcs-grpc" in res:
+        rows.append(("tfcs CommStrategy (gRPC ring)", res["tfcs-grpc"]))
+    rows += [("TF MultiWorkerMirroredStrategy (RING)", m), ("ceiling: independent processes", c)]
+    for name, r in rows:
         print(f"| {name} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} ms | "
               f"{r['samples_per_s'] / m['samples_per_s']:.2f}x | {r['samples_per_s'] / c['samples_per_s']:.2f} |")
     share = t["comm_s"] / t["wall_s"]

@@ -37,11 +37,13 @@ def test_environment_given_to_workers(tmp_path):
         import os
         print(os.environ["TFCS_RANK"], os.environ["TFCS_WORLD_SIZE"], os.environ["TFCS_LOCAL_RANK"],
               os.environ["TFCS_COORDINATOR"].startswith("127.0.0.1:"), os.environ.get("TFCS_BACKEND"),
-              os.environ.get("TFCS_TIMEOUT"), len(os.environ.get("TFCS_TOKEN", "")) >= 32)
+              os.environ.get("TFCS_TIMEOUT"), len(os.environ.get("TFCS_TOKEN", "")) >= 32,
+              os.environ.get("TFCS_TRANSPORT"))
     """)
-    r = _run(["-np", "3", "--backend", "grpc", "--timeout", "42", "--no-prefix", sys.executable, s])
+    r = _run(["-np", "3", "--backend", "grpc", "--timeout", "42", "--transport", "tcp", "--no-prefix",
+              sys.executable, s])
     assert r.returncode == 0, r.stderr
-    assert sorted(r.stdout.split("\n")[:3]) == [f"{i} 3 {i} True grpc 42.0 True" for i in range(3)]
+    assert sorted(r.stdout.split("\n")[:3]) == [f"{i} 3 {i} True grpc 42.0 True tcp" for i in range(3)]
 
 
 def test_failing_worker_stops_the_others_and_sets_the_exit_code(tmp_path):

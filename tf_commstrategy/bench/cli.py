@@ -62,6 +62,8 @@ def run_impl(impl: str, args, sizes: List[int]) -> Dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
         os.environ["TFCS_BENCH_PORTS"] = ",".join(map(str, _free_ports(args.np)))
+        if args.transport:
+            os.environ["TFCS_TRANSPORT"] = args.transport
         cmd = [sys.executable, "-m", "tf_commstrategy.bench.workers", "--impl", impl, "--op", args.op,
                "--sizes", ",".join(map(str, sizes)), "--budget", str(args.budget), "--out", out]
         if impl == "tfcs" and args.backend:
@@ -139,6 +141,8 @@ def main(argv=None):
     p.add_argument("--op", choices=["allreduce", "broadcast", "allgather"], default="allreduce")
     p.add_argument("--sizes", default="8,4K,256K,4M,64M,256M")
     p.add_argument("--backend", choices=["grpc", "nccl", "auto"], default="grpc")
+    p.add_argument("--transport", choices=["auto", "unix", "tcp", "grpc"], default=None,
+                   help="data path under the ring (TFCS_TRANSPORT; default auto: unix on one host)")
     p.add_argument("--compare", default="", help="comma-separated peers: tf-ring, gloo")
     p.add_argument("--budget", type=float, default=1.5, help="approximate seconds spent per size and impl")
     p.add_argument("--json", help="write all results here")

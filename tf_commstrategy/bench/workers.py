@@ -64,7 +64,8 @@ def run_tfcs(args, rank, size):
             assert np.all(check == size * (size + 1) / 2), "wrong allreduce result"
         results[nbytes] = timed(call, iters)
     tfcs.barrier()
-    info = {"transport": "grpc"}
+    from tf_commstrategy.process import default_group
+    info = {"transport": default_group().backend("grpc").stats()["transport"]}
     tfcs.shutdown()
     return results, info
 

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="On clusters start workers with Slurm (srun), mpirun or Kubernetes instead; see docs/launching.md")
     p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
     p.add_argument("--backend", choices=["grpc", "nccl", "auto"], help="default backend (TFCS_BACKEND)")
+    p.add_argument("--transport", choices=["auto", "unix", "tcp", "grpc"],
+                   help="data path under the ring (TFCS_TRANSPORT; default auto: unix sockets on one host)")
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free port)")
     p.add_argument("--host", default="127.0.0.1", help="address the coordinator and workers bind (loopback)")
     p.add_argument("--timeout", type=float, help="collective deadline in seconds (TFCS_TIMEOUT)")
@@ -55,6 +57,8 @@ def worker_env(base: dict, rank: int, n: int, coordinator: str, args) -> dict:
         env["TFCS_BACKEND"] = args.backend
     if args.timeout:
         env["TFCS_TIMEOUT"] = str(args.timeout)
+    if args.transport:
+        env["TFCS_TRANSPORT"] = args.transport
     if args.host:
         env.setdefault("TFCS_BIND_HOST", args.host)
     return env
