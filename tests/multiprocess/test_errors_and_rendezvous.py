@@ -129,12 +129,17 @@ def _init_twice(rank, size):
     except tfcs.ConfigurationError as e:
         other = str(e)
     v = tfcs.allreduce(np.array([rank + 1]))  # the group is still usable after the refused init
-    return same, other, int(v[0])
+    again = []
+    for _ in range(3):  # shutdown, then init again at once in the same process, a few times
+        tfcs.shutdown()
+        g = tfcs.init()
+        again.append(int(tfcs.allreduce(np.array([rank + 1]))[0]))
+    return same, other, int(v[0]), again, g is not g1
 
 
 def test_init_twice_same_settings_harmless_different_is_an_error():
-    for same, other, v in run_workers(_init_twice, 2, timeout=60):
-        assert same and v == 3
+    for same, other, v, again, fresh in run_workers(_init_twice, 2, timeout=90):
+        assert same and v == 3 and fresh and again == [3, 3, 3]
         assert "already called with other settings" in other
 
 

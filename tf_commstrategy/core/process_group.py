@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from typing import Dict, Optional
 
 from .. import config
@@ -127,9 +128,11 @@ class ProcessGroup:
                 return
             self._closed = True
         failed = any(getattr(b, "_failed", None) is not None for b in self._backends.values())
+        clean = False
         if self.store is not None and not failed:
             try:
                 self.store.barrier("shutdown", self.size, barrier_timeout)
+                clean = True
             except Exception as e:  # a dead peer must not block our exit
                 log.warning("tf_commstrategy rank %d: shutdown barrier incomplete: %s", self.rank, e)
         for b in self._backends.values():
@@ -137,4 +140,24 @@ class ProcessGroup:
                 b.close()
             except Exception as e:  # pragma: no cover
                 log.warning("tf_commstrategy rank %d: closing backend %s: %s", self.rank, b.name, e)
+        if clean:
+            self._leave_coordinator()
         self._rdv.close()
+
+    def _leave_coordinator(self, wait_s: float = 10.0) -> None:
+        """Make sure rank 0's coordinator is gone before ``shutdown`` returns anywhere.
+
+        Otherwise a worker that calls ``init`` again at once could still reach the old coordinator
+        (same port) and publish into a store that is about to vanish. Others report that they left;
+        rank 0 stops its server when all have (or after ``wait_s``); others wait, bounded, until it is gone.
+        """
+        try:
+            if self.rank == 0:
+                end = time.monotonic() + wait_s
+                while self.store.add("left", 0) < self.size - 1 and time.monotonic() < end:
+                    time.sleep(0.02)
+            else:
+                self.store.add("left", 1)
+                self.store.get("coordinator-closed", timeout=wait_s)  # never set: returns by error
+        except Exception:
+            pass  # the coordinator stopped (expected) or is unreachable: either way it is gone

@@ -78,7 +78,7 @@ class CoordinatorServer:
         self._server, self.port = grpc_util.start_server(SERVICE, handlers, bind, token,
                                                          max_workers=2 * world_size + 8)
 
-    def stop(self, grace: float = 1.0) -> None:
+    def stop(self, grace: float = 0.2) -> None:
         self._server.stop(grace).wait(grace + 1.0)
 
     @staticmethod
