@@ -1,5 +1,6 @@
 """Every example runs through tfcs-run in a fresh process (shortened by flags) and exits 0."""
 
+import os
 import subprocess
 import sys
 
@@ -23,3 +24,13 @@ def test_example_runs_on_two_workers(args, expect):
                        cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert expect in r.stdout
+
+
+def test_any_engine_recipe_runs_a_single_worker_job():
+    from tests.helpers import free_port
+    env = dict(os.environ, TFCS_RANK="0", TFCS_WORLD_SIZE="1", TFCS_COORDINATOR=f"127.0.0.1:{free_port()}",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    r = subprocess.run(["bash", os.path.join(os.path.join(ROOT, 'examples', 'launch'), "any_engine.sh"), "--epochs", "1", "--train-samples", "512"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "final: test accuracy" in r.stdout

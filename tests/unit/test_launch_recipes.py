@@ -1,0 +1,74 @@
+"""The launch recipes in examples/launch/: the environment each engine gives resolves as documented."""
+
+import json
+import os
+import re
+
+import pytest
+
+from tests.helpers import ROOT
+from tf_commstrategy.rendezvous.cluster_env import resolve_cluster
+
+LAUNCH = os.path.join(ROOT, "examples", "launch")
+
+
+def _read(name):
+    with open(os.path.join(LAUNCH, name)) as f:
+        return f.read()
+
+
+def _exports(text):
+    return dict(re.findall(r"^export (TFCS_[A-Z_]+)=([^\s\"$(]+)\s*$", text, flags=re.M))
+
+
+def test_slurm_recipe_two_nodes_two_tasks_each():
+    text = _read("slurm.sbatch")
+    nodes = int(re.search(r"--nodes=(\d+)", text).group(1))
+    per_node = int(re.search(r"--ntasks-per-node=(\d+)", text).group(1))
+    exported = _exports(text)
+    assert "srun" in text and exported["TFCS_COORDINATOR_PORT"] == "29431"
+    n = nodes * per_node
+    for procid in range(n):  # what srun sets for each task
+        env = dict(exported, SLURM_PROCID=str(procid), SLURM_NTASKS=str(n), SLURM_LOCALID=str(procid % per_node),
+                   SLURM_JOB_NODELIST="gpu[07-08]", SLURM_JOB_ID="4242")
+        s = resolve_cluster(environ=env)
+        assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (procid, n, procid % per_node, "gpu07:29431")
+
+
+def test_mpirun_recipe_passes_the_coordinator():
+    text = _read("mpirun.sh")
+    np_ = int(re.search(r"mpirun -np (\d+)", text).group(1))
+    assert "-x TFCS_COORDINATOR=" in text and "-x TFCS_TOKEN" in text
+    hosts = re.search(r"HOSTS=\$\{HOSTS:-([^}]+)\}", text).group(1)
+    first = hosts.split(":")[0]
+    for r in range(np_):
+        env = {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": str(np_),
+               "OMPI_COMM_WORLD_LOCAL_RANK": str(r % 2), "TFCS_COORDINATOR": f"{first}:29500"}
+        s = resolve_cluster(environ=env)
+        assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (r, np_, r % 2, "node1:29500")
+
+
+def test_tfjob_recipe_chief_first_then_workers():
+    text = _read("tfjob.yaml")
+    chief = int(re.search(r"Chief:\s*\n\s*replicas: (\d+)", text).group(1))
+    workers = int(re.search(r"Worker:\s*\n\s*replicas: (\d+)", text).group(1))
+    port = int(re.search(r"containerPort: (\d+)", text).group(1))
+    assert text.count("secretKeyRef: {name: tfcs-job, key: token}") == 2
+    # what the Kubeflow operator puts into TF_CONFIG
+    cluster = {"chief": [f"tfcs-mnist-chief-0.default.svc:{port}"],
+               "worker": [f"tfcs-mnist-worker-{i}.default.svc:{port}" for i in range(workers)]}
+    tasks = [("chief", 0)] + [("worker", i) for i in range(workers)]
+    for want_rank, (ttype, idx) in enumerate(tasks):
+        env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": ttype, "index": idx}})}
+        s = resolve_cluster(environ=env)
+        assert (s.rank, s.world_size, s.coordinator) == (want_rank, chief + workers, cluster["chief"][0])
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_any_engine_recipe_variables(rank):
+    text = _read("any_engine.sh")
+    for var in ("TFCS_RANK", "TFCS_WORLD_SIZE", "TFCS_COORDINATOR"):
+        assert var in text
+    s = resolve_cluster(environ={"TFCS_RANK": str(rank), "TFCS_WORLD_SIZE": "4", "TFCS_COORDINATOR": "head:7000"})
+    assert (s.rank, s.world_size, s.coordinator) == (rank, 4, "head:7000")
+
