@@ -33,6 +33,10 @@ def worker(mode, steps, out):
     import numpy as np
     import tensorflow as tf
     import tf_keras as keras
+    threads = os.environ.get("TFCS_BENCH_TF_THREADS")  # e.g. "1": intra/inter-op threads for every job
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+        tf.config.threading.set_inter_op_parallelism_threads(int(threads))
     n = int(os.environ.get("TFCS_WORLD_SIZE", "1"))
     rank = int(os.environ.get("TFCS_RANK", "0"))
     if mode.startswith("tfcs"):
