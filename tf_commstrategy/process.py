@@ -22,7 +22,8 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
          coordinator: Optional[str] = None, backend: Optional[str] = None, timeout: Optional[float] = None,
          rendezvous_timeout: Optional[float] = None, chunk_bytes: Optional[int] = None,
          bind_host: Optional[str] = None, advertise_host: Optional[str] = None,
-         token: Optional[str] = None, transport: Optional[str] = None) -> ProcessGroup:
+         token: Optional[str] = None, transport: Optional[str] = None, tls_cert: Optional[str] = None,
+         tls_key: Optional[str] = None, tls_ca: Optional[str] = None) -> ProcessGroup:
     """Join the job (a collective call: every worker calls it).
 
     Args:
@@ -39,18 +40,26 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
       token: the per-job secret every RPC must carry (``TFCS_TOKEN``; tfcs-run generates one).
       transport: the ring's data path, "auto" | "unix" | "tcp" | "grpc" (``TFCS_TRANSPORT``; "auto": Unix
         sockets between ranks on one host, gRPC between hosts; "tcp": raw TCP between hosts, opt-in).
+      tls_cert / tls_key / tls_ca: PEM files for mutual TLS on every gRPC port of the job: this worker's
+        certificate and key, and the CA that signed every worker's certificate (``TFCS_TLS_CERT`` /
+        ``TFCS_TLS_KEY`` / ``TFCS_TLS_CA``; all three or none). See docs/fault_tolerance.md.
 
     Returns:
       The process group (also reachable through the module functions).
 
     Raises:
-      ConfigurationError: bad settings, or ``init`` already ran with different settings.
+      ConfigurationError: bad settings (e.g. unreadable TLS files, TLS with transport "tcp"), or
+        ``init`` already ran with different settings.
       RendezvousError: the other workers could not be met before ``rendezvous_timeout``.
     """
     global _group, _atexit_registered
     spec = resolve_cluster(rank, world_size, local_rank, coordinator)
+    tls = None
+    if tls_cert or tls_key or tls_ca:
+        from .core.grpc_util import TlsConfig
+        tls = TlsConfig.from_paths(tls_cert or "", tls_key or "", tls_ca or "")
     settings = GroupSettings.resolve(spec, backend, timeout, rendezvous_timeout, chunk_bytes,
-                                     bind_host, advertise_host, token, transport)
+                                     bind_host, advertise_host, token, transport, tls=tls)
     with _lock:
         if _group is not None:
             if _group.settings == settings:

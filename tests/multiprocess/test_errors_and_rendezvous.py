@@ -43,11 +43,11 @@ def _mismatch(rank, size, kind):
 def test_mismatch_raises_on_every_rank_naming_both_signatures(kind):
     res = run_workers(_mismatch, 3, kind, timeout=60, env={"TFCS_TIMEOUT": "30"})
     names = [r[0] for r in res]
-    assert "CollectiveMismatchError" in names, res
-    assert all(n in ("CollectiveMismatchError", "CollectiveAbortedError") for n in names), res
+    assert names == ["CollectiveMismatchError"] * 3, res  # the same class on every rank
+    # at least one rank saw both signatures; the others got them in its report
+    assert any("this rank called [" in r[1] and "but rank" in r[1] for r in res), res
     for name, msg, again, dt in res:
-        if name == "CollectiveMismatchError":
-            assert "this rank called [" in msg and "but rank" in msg and "called [" in msg
+        assert "called [" in msg and msg.count("[") >= 2, msg
         assert "unusable" in again and dt < 1.0
 
 

@@ -9,19 +9,80 @@ handler runs, i.e. before a payload is read.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hmac
 import logging
-from typing import Callable, Dict, Optional, Tuple
+import os
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import grpc
 
-from ..errors import RendezvousError
+from ..errors import ConfigurationError, RendezvousError
 
 log = logging.getLogger("tf_commstrategy")
 
 TOKEN_METADATA_KEY = "tfcs-token"
 #: Deliberate message-size limit: data chunks are far smaller (TFCS_CHUNK_BYTES), this bounds abuse.
 MAX_MESSAGE_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    """Mutual TLS for every gRPC port of a job: this process's certificate and key, and the CA
+    that signed every worker's certificate (servers require client certificates from the same CA).
+
+    ``server_name`` overrides the name checked against the server certificate (for certificates
+    issued to a service name rather than to each host's address).
+    """
+
+    cert_pem: bytes = dataclasses.field(repr=False)
+    key_pem: bytes = dataclasses.field(repr=False)
+    ca_pem: bytes = dataclasses.field(repr=False)
+    cert_path: str = ""
+    server_name: Optional[str] = None
+
+    @classmethod
+    def from_paths(cls, cert: str, key: str, ca: str, server_name: Optional[str] = None) -> "TlsConfig":
+        """Read the three PEM files now.
+
+        Raises:
+          ConfigurationError: a path is missing or unreadable, or not all three were given.
+        """
+        if not (cert and key and ca):
+            raise ConfigurationError(f"TLS needs a certificate, a key and a CA file; got cert={cert!r} "
+                                     f"key={key!r} ca={ca!r}",
+                                     fix="set all three of TFCS_TLS_CERT, TFCS_TLS_KEY and TFCS_TLS_CA "
+                                         "(or tls_cert/tls_key/tls_ca), or none")
+        blobs = []
+        for what, path in (("certificate", cert), ("key", key), ("CA", ca)):
+            try:
+                with open(path, "rb") as f:
+                    blobs.append(f.read())
+            except OSError as e:
+                raise ConfigurationError(f"cannot read the TLS {what} file {path!r}: {e}",
+                                         fix="point TFCS_TLS_CERT / TFCS_TLS_KEY / TFCS_TLS_CA at readable "
+                                             "PEM files") from None
+        return cls(blobs[0], blobs[1], blobs[2], cert, server_name or None)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Optional["TlsConfig"]:
+        """``TFCS_TLS_CERT`` / ``TFCS_TLS_KEY`` / ``TFCS_TLS_CA`` (+ ``TFCS_TLS_SERVER_NAME``), or None."""
+        cert, key, ca = (env.get(f"TFCS_TLS_{k}") or "" for k in ("CERT", "KEY", "CA"))
+        if not (cert or key or ca):
+            return None
+        return cls.from_paths(cert, key, ca, env.get("TFCS_TLS_SERVER_NAME"))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
+                                            certificate_chain=self.cert_pem)
+
+
+def tls_from(env: Optional[Mapping[str, str]] = None) -> Optional[TlsConfig]:
+    return TlsConfig.from_env(os.environ if env is None else env)
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES):
@@ -81,10 +142,11 @@ class _TokenInterceptor(grpc.ServerInterceptor):
 
 
 def start_server(service: str, handlers: Dict[str, Tuple[str, Callable]], bind: str,
-                 token: Optional[str], max_workers: int) -> Tuple[grpc.Server, int]:
+                 token: Optional[str], max_workers: int, tls: Optional[TlsConfig] = None) -> Tuple[grpc.Server, int]:
     """Start a gRPC server for ``service`` on ``bind`` ('host:port', port 0 = any free port).
 
-    ``handlers`` maps method name -> ("unary" | "stream", fn). Returns (server, bound_port).
+    ``handlers`` maps method name -> ("unary" | "stream", fn). With ``tls`` the port speaks only
+    mutual TLS. Returns (server, bound_port).
 
     Raises:
       RendezvousError: the address cannot be bound (port in use, no such interface).
@@ -102,7 +164,7 @@ def start_server(service: str, handlers: Dict[str, Tuple[str, Callable]], bind: 
                          interceptors=interceptors, options=server_options(),
                          maximum_concurrent_rpcs=None)
     try:
-        port = server.add_insecure_port(bind)
+        port = server.add_secure_port(bind, tls.server_credentials()) if tls else server.add_insecure_port(bind)
     except RuntimeError as e:
         port = 0
         err = e
@@ -117,8 +179,14 @@ def start_server(service: str, handlers: Dict[str, Tuple[str, Callable]], bind: 
     return server, port
 
 
-def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=channel_options())
+def open_channel(address: str, tls: Optional[TlsConfig] = None) -> grpc.Channel:
+    """A channel to ``address``; TLS (with this process's client certificate) when ``tls`` is given."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=channel_options())
+    opts = channel_options()
+    if tls.server_name:
+        opts.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.secure_channel(address, tls.channel_credentials(), options=opts)
 
 
 def call_metadata(token: Optional[str]):

@@ -17,6 +17,7 @@ from .. import config
 from ..errors import ConfigurationError
 from ..rendezvous import rendezvous as rdv
 from ..rendezvous.cluster_env import ClusterSpec, split_host_port
+from . import grpc_util
 from .backend import Backend, factory_for, normalize_backend_name
 
 log = logging.getLogger("tf_commstrategy")
@@ -38,10 +39,12 @@ class GroupSettings:
     advertise_host: Optional[str]
     transport: str = "auto"
     token: Optional[str] = dataclasses.field(repr=False, default=None)
+    tls: Optional[grpc_util.TlsConfig] = dataclasses.field(repr=False, default=None)
 
     @classmethod
     def resolve(cls, spec: ClusterSpec, backend=None, timeout=None, rendezvous_timeout=None,
-                chunk_bytes=None, bind_host=None, advertise_host=None, token=None, transport=None, environ=None):
+                chunk_bytes=None, bind_host=None, advertise_host=None, token=None, transport=None, environ=None,
+                tls=None):
         env = os.environ if environ is None else environ
         b = normalize_backend_name(backend) or normalize_backend_name(config.backend_from_env(env))
         return cls(
@@ -55,6 +58,7 @@ class GroupSettings:
             advertise_host=advertise_host or env.get("TFCS_ADVERTISE_HOST") or None,
             transport=transport or env.get("TFCS_TRANSPORT") or "auto",
             token=token if token is not None else (env.get("TFCS_TOKEN") or None),
+            tls=tls if tls is not None else grpc_util.TlsConfig.from_env(env),
         )
 
 
@@ -73,11 +77,16 @@ class ProcessGroup:
         self.chunk_bytes = settings.chunk_bytes
         self.token = settings.token
         self.transport = settings.transport
+        self.tls = settings.tls
+        if self.tls is not None and self.transport == "tcp":
+            raise ConfigurationError("transport='tcp' sends tensors unencrypted, but TLS is configured",
+                                     rank=self.rank, fix="use transport 'auto' or 'grpc' with TLS (gRPC carries "
+                                                         "TLS; 'unix' stays inside the host)")
         coord_host = split_host_port(settings.coordinator)[0] if settings.coordinator else "127.0.0.1"
         self.bind_host = settings.bind_host or rdv.default_bind_host(coord_host)
         self.advertise_host = settings.advertise_host or rdv.default_advertise_host(coord_host)
         spec = ClusterSpec(settings.rank, settings.world_size, settings.local_rank, settings.coordinator, "")
-        self._rdv = rdv.join(spec, self.token, self.rendezvous_timeout, settings.bind_host)
+        self._rdv = rdv.join(spec, self.token, self.rendezvous_timeout, settings.bind_host, tls=self.tls)
         self.store = self._rdv.store
         self.workers = self._rdv.workers
         self.local_rank = self._rdv.local_rank
@@ -127,6 +136,10 @@ class ProcessGroup:
             if self._closed:
                 return
             self._closed = True
+        for b in self._backends.values():
+            quiesce = getattr(b, "quiesce", None)
+            if quiesce is not None:
+                quiesce()  # peers leaving is expected from here on: no heartbeat alarms
         failed = any(getattr(b, "_failed", None) is not None for b in self._backends.values())
         clean = False
         if self.store is not None and not failed:

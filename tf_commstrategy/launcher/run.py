@@ -3,10 +3,14 @@
     tfcs-run -np 2 python train.py --epochs 3
     python -m tf_commstrategy.run -np 4 --backend grpc --timeout 120 python bench.py
 
-Every output line of a worker is prefixed with ``[rank]``. When a worker fails, the others are
-stopped (SIGTERM, then SIGKILL after a grace period; each worker runs in its own process group, so
-its children go too) and ``tfcs-run`` exits with the failing worker's code (128 + signal when it
-was killed). SIGINT / SIGTERM sent to ``tfcs-run`` are forwarded to every worker.
+Every output line of a worker is prefixed with ``[rank]``. When a worker fails, the others get
+``--grace`` seconds to notice and report it themselves (they raise ``PeerLostError`` naming it), then
+they are stopped (SIGTERM, then SIGKILL after a grace period; each worker runs in its own process
+group, so its children go too) and ``tfcs-run`` exits with the first failing worker's code (128 +
+signal when it was killed), naming its rank. With ``--max-restarts K`` the whole job is started
+again after a failure, up to K times (workers see ``TFCS_RESTART_COUNT``; with
+``tf_keras.callbacks.BackupAndRestore`` training resumes from the last finished epoch). SIGINT /
+SIGTERM sent to ``tfcs-run`` are forwarded to every worker and end the job without restarts.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import threading
 import time
 from typing import List, Optional
 
-GRACE_S = 10.0
+GRACE_S = 10.0          # SIGTERM -> SIGKILL
+SURVIVOR_GRACE_S = 20.0  # first failure -> SIGTERM to the rest (they usually report and exit by themselves)
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -45,14 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]")
     p.add_argument("--no-token", action="store_true",
                    help="do not generate a job token (insecure: any local process may then join the job)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="after a failure start all workers again, at most K times (default 0)")
+    p.add_argument("--grace", type=float, default=SURVIVOR_GRACE_S,
+                   help="seconds the other workers get to report a failure themselves before they are "
+                        f"stopped (default {SURVIVOR_GRACE_S:g})")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs")
     return p
 
 
-def worker_env(base: dict, rank: int, n: int, coordinator: str, args) -> dict:
+def worker_env(base: dict, rank: int, n: int, coordinator: str, args, restart: int = 0) -> dict:
     env = dict(base)
     env.update({"TFCS_RANK": str(rank), "TFCS_WORLD_SIZE": str(n), "TFCS_LOCAL_RANK": str(rank),
-                "TFCS_LOCAL_SIZE": str(n), "TFCS_COORDINATOR": coordinator, "PYTHONUNBUFFERED": "1"})
+                "TFCS_LOCAL_SIZE": str(n), "TFCS_COORDINATOR": coordinator, "PYTHONUNBUFFERED": "1",
+                "TFCS_RESTART_COUNT": str(restart)})
     if args.backend:
         env["TFCS_BACKEND"] = args.backend
     if args.timeout:
@@ -70,6 +81,15 @@ def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
             out.buffer.write(prefix + line if prefix else line)
             out.buffer.flush()
     stream.close()
+
+
+def _is_stopped(pid: int) -> bool:
+    """True when the process is stopped (SIGSTOP / SIGTSTP; state T in /proc), Linux only."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _describe(code: int) -> str:
@@ -97,6 +117,7 @@ class Job:
     def stop(self, grace: float = GRACE_S) -> None:
         self.stopping = True
         self.signal_all(signal.SIGTERM)
+        self.signal_all(signal.SIGCONT)  # a stopped (SIGSTOP) worker handles SIGTERM only once continued
         end = time.monotonic() + grace
         while time.monotonic() < end and any(p.poll() is None for p in self.procs):
             time.sleep(0.05)
@@ -108,27 +129,56 @@ class Job:
 def run(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if args.np < 1:
-        print("tfcs-run: -np must be >= 1", file=sys.stderr)
+    if args.np < 1 or args.max_restarts < 0 or args.grace < 0:
+        print("tfcs-run: -np must be >= 1, --max-restarts and --grace >= 0", file=sys.stderr)
         return 2
     if not command:
         print("tfcs-run: no command given (e.g. tfcs-run -np 2 python train.py)", file=sys.stderr)
         return 2
-    port = args.port or _free_port(args.host)
-    coordinator = f"{args.host}:{port}"
     base = dict(os.environ)
     if not args.no_token:
         base.setdefault("TFCS_TOKEN", secrets.token_hex(16))
+    received: List[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        if job_box:
+            job_box[0].signal_all(signum)
+
+    job_box: List[Job] = []
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for attempt in range(args.max_restarts + 1):
+            code = _run_once(args, command, base, attempt, job_box, received)
+            if code == 0 or received:
+                break
+            if attempt < args.max_restarts:
+                print(f"tfcs-run: restarting all {args.np} workers (restart {attempt + 1} of "
+                      f"{args.max_restarts})", file=sys.stderr)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if received and code == 0:
+        code = 128 + received[0]
+    return code
+
+
+def _run_once(args, command, base: dict, attempt: int, job_box: list, received: list) -> int:
+    """Start the workers once and wait for them; returns the job's exit code."""
+    port = args.port or _free_port(args.host)
+    coordinator = f"{args.host}:{port}"
     lock = threading.Lock()
     procs, pumps = [], []
+    job = Job(procs)
+    job_box[:] = [job]
     for rank in range(args.np):
-        env = worker_env(base, rank, args.np, coordinator, args)
+        env = worker_env(base, rank, args.np, coordinator, args, restart=attempt)
         try:
             p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             print(f"tfcs-run: cannot start {command[0]!r}: {e}", file=sys.stderr)
-            Job(procs).stop(grace=2.0)
+            job.stop(grace=2.0)
             return 127
         procs.append(p)
         prefix = b"" if args.no_prefix else f"[{rank}] ".encode()
@@ -136,14 +186,6 @@ def run(argv: Optional[List[str]] = None) -> int:
             t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
             t.start()
             pumps.append(t)
-    job = Job(procs)
-    received = []
-
-    def forward(signum, _frame):
-        received.append(signum)
-        job.signal_all(signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     exit_code = 0
     try:
         while True:
@@ -151,11 +193,26 @@ def run(argv: Optional[List[str]] = None) -> int:
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
-                if not received:
-                    print(f"tfcs-run: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; "
-                          f"stopping the other workers", file=sys.stderr)
-                job.stop()
                 exit_code = 128 - code if code < 0 else code
+                if received:
+                    job.stop()
+                    break
+                print(f"tfcs-run: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; giving the other "
+                      f"workers {args.grace:g} s to stop", file=sys.stderr)
+                end = time.monotonic() + args.grace
+                while time.monotonic() < end and not received:
+                    alive = [p for p in procs if p.poll() is None]
+                    if not alive or all(_is_stopped(p.pid) for p in alive):
+                        break  # stopped workers will not report anything themselves
+                    time.sleep(0.05)
+                stopped = {r for r, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)}
+                for r in sorted(stopped):
+                    print(f"tfcs-run: rank {r} (pid {procs[r].pid}) is stopped (SIGSTOP?) and will be killed",
+                          file=sys.stderr)
+                job.stop()
+                others = [f"rank {r} {_describe(p.returncode)}" for r, p in enumerate(procs) if r != rank]
+                print(f"tfcs-run: job failed: rank {rank} {_describe(code)} (first failure); "
+                      + "; ".join(others), file=sys.stderr)
                 break
             if all(c == 0 for c in codes):
                 break
@@ -163,12 +220,8 @@ def run(argv: Optional[List[str]] = None) -> int:
                 break
             time.sleep(0.05)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
-    if received and exit_code == 0:
-        exit_code = 128 + received[0]
     return exit_code
 
 

@@ -8,6 +8,7 @@ deadline, so no call on either side waits without a bound.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from typing import Dict, Optional
@@ -17,8 +18,10 @@ import grpc
 from ..core import grpc_util
 from ..errors import RendezvousError
 
+log = logging.getLogger("tf_commstrategy")
 SERVICE = "Coordinator"
 MAX_SERVER_WAIT_S = 5.0
+MAX_KEY_CHARS = 512
 
 
 class _Store:
@@ -66,56 +69,86 @@ class _Store:
 class CoordinatorServer:
     """Rank 0's coordinator service. ``address`` is where it listens ('host:port')."""
 
-    def __init__(self, bind: str, world_size: int, token: Optional[str] = None):
+    def __init__(self, bind: str, world_size: int, token: Optional[str] = None, tls=None):
         self._store = _Store()
+        self._world = world_size
+        self._bad_logged = False
         handlers = {
-            "Set": ("unary", self._set),
-            "Get": ("unary", self._get),
-            "Add": ("unary", self._add),
-            "Barrier": ("unary", self._barrier),
+            "Set": ("unary", self._checked(self._set)),
+            "Get": ("unary", self._checked(self._get)),
+            "Add": ("unary", self._checked(self._add)),
+            "Barrier": ("unary", self._checked(self._barrier)),
         }
         # Every worker may hold one blocking call at a time, plus headroom.
         self._server, self.port = grpc_util.start_server(SERVICE, handlers, bind, token,
-                                                         max_workers=2 * world_size + 8)
+                                                         max_workers=2 * world_size + 8, tls=tls)
+
+    def _checked(self, handler):
+        """Malformed requests (bad JSON, missing or mistyped fields, ranks out of range, oversized keys)
+        get INVALID_ARGUMENT, logged once; the store is left untouched."""
+        def call(request, context):
+            try:
+                r = json.loads(request)
+                if not isinstance(r, dict):
+                    raise ValueError("request is not a JSON object")
+                return handler(r, context)
+            except (ValueError, KeyError, TypeError, OverflowError) as e:
+                if not self._bad_logged:
+                    self._bad_logged = True
+                    log.warning("tf_commstrategy coordinator: rejected a malformed request (%s: %s); further "
+                                "ones are not logged", type(e).__name__, e)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed coordinator request: {e}")
+        return call
+
+    @staticmethod
+    def _key(r, name="key") -> str:
+        k = r[name]
+        if not isinstance(k, str) or not 0 < len(k) <= MAX_KEY_CHARS:
+            raise ValueError(f"{name} must be a string of 1..{MAX_KEY_CHARS} characters")
+        return k
+
+    @staticmethod
+    def _wait(r) -> float:
+        w = float(r.get("wait_s", 0))
+        if not 0 <= w <= MAX_SERVER_WAIT_S + 1:
+            raise ValueError(f"wait_s={w} outside 0..{MAX_SERVER_WAIT_S}")
+        return w
 
     def stop(self, grace: float = 0.2) -> None:
         self._server.stop(grace).wait(grace + 1.0)
 
-    @staticmethod
-    def _parse(request: bytes, context):
-        try:
-            return json.loads(request)
-        except ValueError:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed coordinator request")
-
-    def _set(self, request, context):
-        r = self._parse(request, context)
-        self._store.set(str(r["key"]), str(r["value"]))
+    def _set(self, r, context):
+        value = r["value"]
+        if not isinstance(value, str):
+            raise TypeError("value must be a string")
+        self._store.set(self._key(r), value)
         return b"{}"
 
-    def _get(self, request, context):
-        r = self._parse(request, context)
-        value = self._store.get(str(r["key"]), float(r.get("wait_s", 0)))
+    def _get(self, r, context):
+        value = self._store.get(self._key(r), self._wait(r))
         return json.dumps({"found": value is not None, "value": value}).encode()
 
-    def _add(self, request, context):
-        r = self._parse(request, context)
-        return json.dumps({"value": self._store.add(str(r["key"]), int(r["amount"]))}).encode()
+    def _add(self, r, context):
+        amount = r["amount"]
+        if not isinstance(amount, int) or isinstance(amount, bool) or abs(amount) > 1 << 31:
+            raise TypeError("amount must be an int of at most 2**31")
+        return json.dumps({"value": self._store.add(self._key(r), amount)}).encode()
 
-    def _barrier(self, request, context):
-        r = self._parse(request, context)
-        done, arrived = self._store.barrier(str(r["name"]), int(r["rank"]), int(r["world"]),
-                                            float(r.get("wait_s", 0)))
+    def _barrier(self, r, context):
+        rank, world = r["rank"], r["world"]
+        if not (isinstance(rank, int) and isinstance(world, int) and world == self._world and 0 <= rank < world):
+            raise ValueError(f"barrier rank={rank!r} world={world!r} do not fit this job of {self._world}")
+        done, arrived = self._store.barrier(self._key(r, "name"), rank, world, self._wait(r))
         return json.dumps({"done": done, "arrived": arrived}).encode()
 
 
 class CoordinatorClient:
     """Client of the coordinator. Every method takes a deadline and raises RendezvousError past it."""
 
-    def __init__(self, address: str, rank: int, token: Optional[str] = None):
+    def __init__(self, address: str, rank: int, token: Optional[str] = None, tls=None):
         self.address = address
         self.rank = rank
-        self._channel = grpc_util.open_channel(address)
+        self._channel = grpc_util.open_channel(address, tls=tls)
         self._md = grpc_util.call_metadata(token)
         self._calls = {m: grpc_util.unary(self._channel, SERVICE, m) for m in ("Set", "Get", "Add", "Barrier")}
 

@@ -84,7 +84,7 @@ class Rendezvous:
             self.server.stop()
 
 
-def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Optional[str]) -> Rendezvous:
+def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Optional[str], tls=None) -> Rendezvous:
     """Meet every other worker of ``spec``; returns the store and who is where.
 
     Raises:
@@ -98,8 +98,8 @@ def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Opt
     if spec.rank == 0:
         bind = bind_host or default_bind_host(host)
         server = CoordinatorServer(f"{bind}:{port}" if ":" not in bind else f"[{bind}]:{port}",
-                                   spec.world_size, token)
-    store = CoordinatorClient(spec.coordinator, spec.rank, token)
+                                   spec.world_size, token, tls=tls)
+    store = CoordinatorClient(spec.coordinator, spec.rank, token, tls=tls)
     try:
         store.wait_ready(timeout)
         claims = store.add(f"claim/{spec.rank}", 1)

@@ -14,8 +14,8 @@ from ...core import ring
 from ...core.backend import Backend, register_backend
 from ...core.reduce_ops import ReduceOp
 from ...errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
-                       TfcsError, UnsupportedOperationError)
-from . import socket_transport, transport, wire
+                       PeerLostError, TfcsError, UnsupportedOperationError)
+from . import liveness, socket_transport, transport, wire
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -39,7 +39,7 @@ class _Link:
 
     def finish(self) -> None:
         """The collective is done here: make sure our last frames left before the buffer is returned."""
-        self._b._right_stream.drain(max(0.1, self._deadline - time.monotonic()))
+        self._b._right_stream.drain(max(0.1, self._deadline - time.monotonic()), abort=self._b.mailbox.error_now)
 
     def recv(self, key):
         right = self._b._right_stream
@@ -49,10 +49,11 @@ class _Link:
             right = self._b._right_stream.broken() if self._b._right_stream else None
             if right is not None:
                 raise right
+            arrived, missing, detail = self._b.arrivals(self._seq, self._left)
             raise CollectiveTimeoutError(
                 f"collective #{self._seq} [{self._sig_text}] timed out after {self._timeout:g} s at step "
-                f"{key[0]} chunk {key[1]}: rank {self._left} ({self._b.address_of(self._left)}) had not "
-                f"delivered its data", rank=self.rank, seq=self._seq, waiting_for=[self._left],
+                f"{key[0]} chunk {key[1]} waiting for rank {self._left}: arrived: ranks {arrived}; not arrived: "
+                f"{detail}", rank=self.rank, seq=self._seq, waiting_for=missing,
                 fix="a rank is missing, stuck, or calling a different sequence of collectives; check that "
                     "every rank runs the same code path, or raise the deadline (timeout=, "
                     "CommunicationOptions(timeout_seconds=...), TFCS_TIMEOUT)")
@@ -90,15 +91,19 @@ class GrpcRingBackend(Backend):
         self._addresses: List[str] = []
         self._server = None
         self._socket_server = None
+        self._watchdog: Optional[liveness.Watchdog] = None
+        self._probes = {}
+        self._lost = set()
         self.transport = "none"
         if self.size > 1:
             self._connect()
+            self._start_watchdog()
 
     # -- setup -----------------------------------------------------------------------------------
     def _connect(self) -> None:
         g = self.group
         self._server = transport.DataServer(self.rank, self.size, f"{g.bind_host}:0", g.token,
-                                            self.mailbox, self.address_of)
+                                            self.mailbox, self.describe, progress=self._progress, tls=g.tls)
         me = f"{g.advertise_host}:{self._server.port}"
         g.store.set(f"grpc/addr/{self.rank}", me)
         # The data path to each ring neighbour: unix sockets on one host, grpc (or opt-in tcp) between hosts.
@@ -112,7 +117,7 @@ class GrpcRingBackend(Backend):
             self.chunk_bytes = config.DEFAULT_SOCKET_CHUNK_BYTES if sockets_only else config.DEFAULT_CHUNK_BYTES
         if inbound in ("unix", "tcp"):
             self._socket_server = socket_transport.SocketServer(self.rank, self.size, inbound, g.bind_host,
-                                                                g.token, self.mailbox, self.address_of)
+                                                                g.token, self.mailbox, self.describe)
             addr = self._socket_server.address or f"{g.advertise_host}:{self._socket_server.port}"
             g.store.set(f"sock/addr/{self.rank}", addr)
         self._addresses = [g.store.get(f"grpc/addr/{i}", g.rendezvous_timeout) for i in range(self.size)]
@@ -120,12 +125,70 @@ class GrpcRingBackend(Backend):
             addr = g.store.get(f"sock/addr/{right}", g.rendezvous_timeout)
             self._right_stream = socket_transport.SocketStream(addr, g.token, right, self.rank, g.rendezvous_timeout)
         else:
-            self._right_stream = transport.PeerStream(self._addresses[right], g.token, right, self.rank)
+            self._right_stream = transport.PeerStream(self._addresses[right], g.token, right, self.rank, tls=g.tls)
         self.transport = outbound
         log.info("tf_commstrategy rank %d: ring data path to rank %d: %s", self.rank, right, outbound)
 
     def address_of(self, rank: int) -> str:
         return self._addresses[rank] if rank < len(self._addresses) else "?"
+
+    def describe(self, rank: int) -> str:
+        """'host NAME, pid N, ADDRESS' of a rank, for error messages."""
+        try:
+            w = self.group.workers[rank]
+            return f"host {w.hostname}, pid {w.pid}, {self.address_of(rank)}"
+        except (IndexError, AttributeError, TypeError):
+            return self.address_of(rank)
+
+    # -- liveness --------------------------------------------------------------------------------
+    def _progress(self) -> dict:
+        return {"started": self._seq, "failed": self._failed is not None}
+
+    def _probe(self, rank: int) -> liveness.PeerProbe:
+        p = self._probes.get(rank)
+        if p is None:
+            p = self._probes[rank] = liveness.PeerProbe(self.address_of(rank), self.group.token, self.rank,
+                                                        tls=self.group.tls)
+        return p
+
+    def _start_watchdog(self) -> None:
+        timeout = config.heartbeat_timeout_from_env()
+        if timeout <= 0:
+            return
+        neighbours = sorted({(self.rank - 1) % self.size, (self.rank + 1) % self.size} - {self.rank})
+        probes = {r: self._probe(r) for r in neighbours}
+        self._watchdog = liveness.Watchdog(self.rank, neighbours, probes, self.describe, self._peer_lost,
+                                           interval=min(1.0, timeout / 4), timeout=timeout,
+                                           is_gone=self.mailbox.is_gone)
+
+    def _peer_lost(self, rank: int, error: BaseException) -> None:
+        self._lost.add(rank)
+        self._fail(error, notify_peers=True)
+
+    def arrivals(self, seq: int, waited_on: int):
+        """After a timeout at collective ``seq``: (arrived ranks, missing ranks, text about the missing)."""
+        answers = liveness.progress_of({r: self._probe(r) for r in range(self.size)
+                                        if r != self.rank and r not in self._lost})
+        arrived, missing, notes = [self.rank], [], []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            a = answers.get(r)
+            if a is not None and int(a.get("started", 0)) > seq:
+                arrived.append(r)
+                continue
+            missing.append(r)
+            if a is None:
+                notes.append(f"rank {r} ({self.describe(r)}) did not answer (stopped, hung or unreachable)")
+            else:
+                last = int(a.get("started", 0)) - 1
+                notes.append(f"rank {r} ({self.describe(r)}) is alive but its last collective is "
+                             f"#{last}" + (" (it failed)" if a.get("failed") else ""))
+        if not missing:  # everyone has arrived: the data from the left neighbour is what is late
+            missing = [waited_on]
+            notes = [f"none (every rank had entered it; rank {waited_on} ({self.describe(waited_on)}) did not "
+                     f"deliver its data in time)"]
+        return sorted(arrived), missing, "; ".join(notes)
 
     # -- running one collective ------------------------------------------------------------------
     def _run(self, sig: str, timeout: Optional[float], body):
@@ -163,12 +226,17 @@ class GrpcRingBackend(Backend):
         self._failed = error
         self.mailbox.fail(error)
         if notify_peers and self.size > 1:
-            if isinstance(error, CollectiveAbortedError):
+            if isinstance(error, CollectiveAbortedError) or error is self.mailbox.remote_error:
                 return  # it came from another rank, which notified everybody already
             msg = f"{type(error).__name__}: {error}"
+            peer = getattr(error, "peer_rank", None) if isinstance(error, PeerLostError) else None
+            if peer is not None:
+                self._lost.add(peer)
+            kw = {"kind": type(error).__name__, "peer": peer, "tls": self.group.tls,
+                  "seq": getattr(error, "seq", None), "waiting_for": getattr(error, "waiting_for", ())}
             threads = [threading.Thread(target=transport.send_abort,
-                                        args=(a, self.group.token, self.rank, msg), daemon=True)
-                       for i, a in enumerate(self._addresses) if i != self.rank]
+                                        args=(a, self.group.token, self.rank, msg), kwargs=kw, daemon=True)
+                       for i, a in enumerate(self._addresses) if i != self.rank and i not in self._lost]
             for t in threads:
                 t.start()
             for t in threads:
@@ -257,7 +325,17 @@ class GrpcRingBackend(Backend):
         return {"seq": self._seq, "pending_messages": self.mailbox.pending(), "busy_s": self._busy_s,
                 "transport": self.transport}
 
+    def quiesce(self) -> None:
+        """Stop watching the peers (shutdown has begun: peers going away is expected now)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
     def close(self) -> None:
+        self.quiesce()
+        for p in self._probes.values():
+            p.close()
+        self._probes = {}
         if self._right_stream is not None:
             self._right_stream.close()
             self._right_stream = None

@@ -25,11 +25,12 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Optional, Tuple
 
 import numpy as np
 
-from ...errors import PeerLostError, RendezvousError
+from ...errors import CollectiveTimeoutError, PeerLostError, RendezvousError
 from . import wire
 
 log = logging.getLogger("tf_commstrategy")
@@ -266,12 +267,24 @@ class SocketStream:
             self._idle.clear()
         self._queue.put(views)  # the rest goes out from the sender thread, in order
 
-    def drain(self, timeout: float) -> None:
-        """Wait until everything queued is on the wire (the caller may then reuse the buffers)."""
-        if not self._idle.wait(timeout):
-            raise PeerLostError(f"could not hand data to rank {self.peer_rank} at {self.address} within "
-                                f"{timeout:g} s (it stopped reading)", rank=self.my_rank, peer_rank=self.peer_rank,
-                                fix=f"rank {self.peer_rank} is stuck or dead; see its log")
+    def drain(self, timeout: float, abort=None) -> None:
+        """Wait until everything queued is on the wire (the caller may then reuse the buffers).
+
+        ``abort()``, polled while waiting, may return an error to raise instead (peer lost elsewhere).
+        """
+        end = time.monotonic() + timeout
+        while not self._idle.wait(min(0.2, max(0.0, end - time.monotonic()))):
+            problem = abort() if abort is not None else None
+            if problem is not None:
+                raise problem
+            if time.monotonic() >= end:
+                break
+        if not self._idle.is_set():
+            raise CollectiveTimeoutError(
+                f"could not hand data to rank {self.peer_rank} at {self.address} before the deadline "
+                f"({timeout:g} s left): it stopped reading (stalled or stuck)", rank=self.my_rank,
+                waiting_for=[self.peer_rank],
+                fix=f"rank {self.peer_rank} is stuck; see its log, or raise the deadline (TFCS_TIMEOUT)")
         if self._error is not None:
             raise self._error
 

@@ -4,7 +4,9 @@
   message is framed by ``wire`` and dropped into the ``Mailbox`` without copying its payload.
   A stream that ends without the BYE message means the sender died: the mailbox learns that the
   peer is lost, so a rank waiting for it fails within seconds (gRPC keepalive bounds a silent
-  partition), not at the deadline. ``Abort`` lets a failing rank poison everybody's mailbox.
+  partition), not at the deadline. ``Abort`` lets a failing rank poison everybody's mailbox; it
+  names the error kind, so a lost peer is reported as ``PeerLostError`` for that peer everywhere.
+  ``Ping`` answers heartbeats (``liveness``) with this rank's collective progress.
 * ``PeerStream``: one long-lived ``Send`` call to a peer, fed from a queue by gRPC's own
   request-consumer thread, so ``send`` returns as soon as the bytes are framed.
 """
@@ -20,7 +22,7 @@ from typing import Callable, Optional
 import grpc
 
 from ...core import grpc_util
-from ...errors import CollectiveAbortedError, PeerLostError
+from ...errors import CollectiveAbortedError, CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
 from . import wire
 
 log = logging.getLogger("tf_commstrategy")
@@ -29,16 +31,18 @@ SERVICE = "Data"
 
 class DataServer:
     def __init__(self, rank: int, world_size: int, bind: str, token: Optional[str],
-                 mailbox: wire.Mailbox, describe_peer: Callable[[int], str]):
+                 mailbox: wire.Mailbox, describe_peer: Callable[[int], str],
+                 progress: Optional[Callable[[], dict]] = None, tls=None):
         self.rank = rank
         self.world_size = world_size
         self.mailbox = mailbox
         self._describe = describe_peer
+        self._progress = progress or (lambda: {})
         self._closing = threading.Event()
         self._bad_logged = False
-        handlers = {"Send": ("stream", self._send), "Abort": ("unary", self._abort)}
+        handlers = {"Send": ("stream", self._send), "Abort": ("unary", self._abort), "Ping": ("unary", self._ping)}
         self._server, self.port = grpc_util.start_server(SERVICE, handlers, bind, token,
-                                                         max_workers=world_size + 8)
+                                                         max_workers=world_size + 8, tls=tls)
 
     def _log_bad(self, what: str) -> None:
         if not self._bad_logged:
@@ -88,19 +92,52 @@ class DataServer:
         try:
             r = json.loads(request)
             origin, message = int(r["origin"]), str(r["message"])
-        except (ValueError, KeyError, TypeError):
+            kind, peer, seq = str(r.get("kind", "")), r.get("peer"), r.get("seq")
+            peer = int(peer) if peer is not None else None
+            seq = int(seq) if seq is not None else None
+            waiting = [int(x) for x in r.get("waiting_for") or ()]
+            if not 0 <= origin < self.world_size or any(not 0 <= x < self.world_size for x in
+                                                        waiting + ([peer] if peer is not None else [])):
+                raise ValueError("rank out of range")
+        except (ValueError, KeyError, TypeError, AttributeError):
             self._log_bad("bad abort request")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed abort request")
             return b""
-        self.mailbox.fail(CollectiveAbortedError(
-            f"rank {origin} aborted the process group after its own error: {message}",
-            rank=self.rank, origin_rank=origin,
-            fix=f"the cause is on rank {origin}; see the error above in its log"))
+        self.mailbox.fail(remote_error(self.rank, origin, kind, message, peer, seq, waiting, self._describe),
+                          remote=True)
         return b"{}"
+
+    def _ping(self, request, context):
+        return json.dumps(dict(self._progress(), rank=self.rank)).encode()
 
     def stop(self, grace: float = 0.5) -> None:
         self._closing.set()
         self._server.stop(grace).wait(grace + 1.0)
+
+
+def remote_error(rank: int, origin: int, kind: str, message: str, peer: Optional[int], seq: Optional[int],
+                 waiting_for, describe: Callable[[int], str]):
+    """The error this rank raises when rank ``origin`` reports its own: the same class for the
+    failures every rank shares (a lost peer, a timeout, a mismatch), else CollectiveAbortedError."""
+    seen = f"reported by rank {origin}: {message}"
+    if kind == "PeerLostError" and peer is not None and peer != rank:
+        return PeerLostError(f"rank {peer} ({describe(peer)}) was lost ({seen})", rank=rank, seq=seq,
+                             peer_rank=peer, peer_address=describe(peer),
+                             fix=f"look at rank {peer}'s host and log; restart the job (tfcs-run --max-restarts)")
+    if kind == "CollectiveTimeoutError":
+        names = ", ".join(f"rank {w} ({describe(w)})" for w in waiting_for) or "?"
+        return CollectiveTimeoutError(f"collective #{seq} timed out; not arrived: {names} ({seen})", rank=rank,
+                                      seq=seq, waiting_for=waiting_for,
+                                      fix="see the not-arrived ranks' logs; they are stuck, stopped or took "
+                                          "another code path (or raise TFCS_TIMEOUT)")
+    if kind == "CollectiveMismatchError":
+        return CollectiveMismatchError(f"collective #{seq}: ranks called different collectives ({seen})",
+                                       rank=rank, seq=seq, remote_rank=origin,
+                                       fix="every rank must issue the same collectives in the same order with "
+                                           "the same op, dtype, shape and root")
+    return CollectiveAbortedError(f"rank {origin} aborted the process group after its own error: {message}",
+                                  rank=rank, origin_rank=origin, seq=seq,
+                                  fix=f"the cause is on rank {origin}; see the error above in its log")
 
 
 _CLOSE = object()
@@ -110,11 +147,11 @@ RANK_METADATA_KEY = "tfcs-rank"
 class PeerStream:
     """A persistent client stream to one peer's ``Data/Send``."""
 
-    def __init__(self, address: str, token: Optional[str], peer_rank: int, my_rank: int):
+    def __init__(self, address: str, token: Optional[str], peer_rank: int, my_rank: int, tls=None):
         self.address = address
         self.peer_rank = peer_rank
         self.my_rank = my_rank
-        self._channel = grpc_util.open_channel(address)
+        self._channel = grpc_util.open_channel(address, tls=tls)
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         call = grpc_util.stream_unary(self._channel, SERVICE, "Send")
         metadata = tuple(grpc_util.call_metadata(token) or ()) + ((RANK_METADATA_KEY, str(my_rank)),)
@@ -151,7 +188,7 @@ class PeerStream:
         """Frame and queue one chunk (one copy: gRPC's sync API sends only exact ``bytes``)."""
         self.send(wire.encode(seq, step, chunk, self.my_rank, sig, payload))
 
-    def drain(self, timeout: float) -> None:
+    def drain(self, timeout: float, abort=None) -> None:
         """Nothing to wait for: ``send_frame`` copied the payload already."""
 
     def close(self, timeout: float = 5.0) -> None:
@@ -165,11 +202,15 @@ class PeerStream:
         self._channel.close()
 
 
-def send_abort(address: str, token: Optional[str], origin: int, message: str, timeout: float = 2.0) -> None:
-    """Best effort: tell the peer at ``address`` that this rank aborted."""
-    ch = grpc_util.open_channel(address)
+def send_abort(address: str, token: Optional[str], origin: int, message: str, timeout: float = 2.0,
+               kind: str = "", peer: Optional[int] = None, tls=None, seq: Optional[int] = None,
+               waiting_for=()) -> None:
+    """Best effort: tell the peer at ``address`` that this rank aborted (``kind`` of error, lost ``peer``)."""
+    ch = grpc_util.open_channel(address, tls=tls)
+    body = {"origin": origin, "message": message, "kind": kind, "peer": peer, "seq": seq,
+            "waiting_for": list(waiting_for)}
     try:
-        grpc_util.unary(ch, SERVICE, "Abort")(json.dumps({"origin": origin, "message": message}).encode(),
+        grpc_util.unary(ch, SERVICE, "Abort")(json.dumps(body).encode(),
                                              timeout=timeout, metadata=grpc_util.call_metadata(token))
     except grpc.RpcError:
         pass

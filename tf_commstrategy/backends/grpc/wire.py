@@ -68,6 +68,7 @@ class Mailbox:
         self._error: Optional[BaseException] = None
         self._gone: Dict[int, BaseException] = {}
         self._seq_sig: Dict[int, bytes] = {}  # first signature seen per collective, to spot mismatches early
+        self.remote_error: Optional[BaseException] = None
 
     def deposit(self, key: Key, sig: bytes, payload: memoryview) -> None:
         with self._cv:
@@ -110,11 +111,20 @@ class Mailbox:
         with self._cv:
             self._seq_sig.pop(seq, None)
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, remote: bool = False) -> None:
+        """Poison the mailbox; ``remote``: the error was reported by another rank (not to be re-broadcast)."""
         with self._cv:
             if self._error is None:
                 self._error = error
+                if remote:
+                    self.remote_error = error
             self._cv.notify_all()
+
+    def error_now(self) -> Optional[BaseException]:
+        return self._error
+
+    def is_gone(self, rank: int) -> bool:
+        return rank in self._gone
 
     def peer_gone(self, rank: int, error: PeerLostError) -> None:
         with self._cv:
