@@ -35,6 +35,9 @@ def __getattr__(name):  # lazy access to the TF layer, so `import tf_commstrateg
     if name in ("CommStrategy", "CommOptions"):
         from . import tf as _tf
         return getattr(_tf, name)
+    if name == "unwrap_errors":
+        from .tf.tensor_ops import unwrap_errors
+        return unwrap_errors
     if name == "callbacks":
         import importlib
         return importlib.import_module(".callbacks", __name__)

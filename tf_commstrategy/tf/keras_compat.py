@@ -6,7 +6,8 @@ purpose not an MWMS instance (tf_keras would then also sum per-batch training lo
 workers), so ``reduce_per_replica(..., "concat")`` is routed through tf_keras's own multi-worker
 concatenation (``strategy.gather`` -> our all-gather), in the same replica order it uses for MWMS.
 Every other reduction is left to tf_keras unchanged. Also, ``verbose="auto"`` (the default of
-fit/evaluate/predict) shows the progress bar on rank 0 only.
+fit/evaluate/predict) shows the progress bar on rank 0 only, and a tf_commstrategy error inside
+fit/evaluate/predict surfaces as itself (chained from TF's ``UnknownError``).
 """
 
 from __future__ import annotations
@@ -48,4 +49,23 @@ def install() -> None:
 
     _get_verbosity.__wrapped__ = original_verbosity
     training._get_verbosity = _get_verbosity
+
+    # Errors: a PeerLostError (etc.) inside the train step reaches Keras as tf.errors.UnknownError;
+    # fit / evaluate / predict re-raise our typed error instead, chained from TF's.
+    from .tensor_ops import unwrap_errors
+    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch"):
+        original_method = getattr(training.Model, name)
+        if getattr(original_method, "_tfcs_unwraps", False):
+            continue
+
+        def make(method):
+            def wrapper(self, *args, **kwargs):
+                with unwrap_errors():
+                    return method(self, *args, **kwargs)
+            wrapper.__wrapped__ = method
+            wrapper.__name__, wrapper.__doc__, wrapper.__qualname__ = method.__name__, method.__doc__, \
+                method.__qualname__
+            wrapper._tfcs_unwraps = True
+            return wrapper
+        setattr(training.Model, name, make(original_method))
     _installed = True

@@ -11,6 +11,8 @@ Eagerly, the numpy work runs directly with no py_function in between.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
@@ -19,7 +21,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
 from ..core.reduce_ops import ReduceOp, check_dtype
-from ..errors import ConfigurationError, UnsupportedOperationError
+from ..errors import ConfigurationError, TfcsError, UnsupportedOperationError
 from ..process import default_group
 
 HOST = "/device:CPU:0"
@@ -34,6 +36,46 @@ def check_not_xla(what: str) -> None:
                 "the forward/backward function and leave the gradient all-reduce outside it")
 
 
+class _ErrorLog:
+    """The tf_commstrategy errors raised inside py_functions: TF turns them into a generic
+    ``tf.errors.UnknownError`` on the way out, so entry points (``unwrap_errors``) re-raise ours."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.count = 0
+        self.last: Optional[TfcsError] = None
+
+    def record(self, error: TfcsError) -> None:
+        with self._lock:
+            self.count += 1
+            self.last = error
+
+
+errors_seen = _ErrorLog()
+
+
+@contextlib.contextmanager
+def unwrap_errors():
+    """Inside this block, a TF error caused by a tf_commstrategy error surfaces as that error.
+
+    TensorFlow reports an exception raised inside a ``tf.function``'s collective as
+    ``tf.errors.UnknownError`` with our message in its text. Here the original typed error
+    (``PeerLostError``, ``CollectiveTimeoutError``, ...) is raised instead, chained from TF's
+    (``raise ours from tf_error``). ``model.fit`` / ``evaluate`` / ``predict`` do this by
+    themselves under ``CommStrategy``; use it around custom training loops.
+
+    Raises:
+      TfcsError: the collective error behind a TF error raised in the block.
+    """
+    mark = errors_seen.count
+    try:
+        yield
+    except tf.errors.OpError as e:
+        if errors_seen.count != mark and errors_seen.last is not None:
+            raise errors_seen.last from e
+        raise
+
+
 def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Sequence[tf.Tensor],
               out_dtypes: Sequence[tf.DType], out_shapes: Sequence, name: str = "tfcs_collective"):
     """Run ``fn`` on the tensors' numpy values, eagerly or as one stateful py_function on the host."""
@@ -43,7 +85,11 @@ def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Seque
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, out_dtypes)]
 
     def body(*ts):
-        return [np.asarray(o) for o in fn([t.numpy() for t in ts])]
+        try:
+            return [np.asarray(o) for o in fn([t.numpy() for t in ts])]
+        except TfcsError as e:
+            errors_seen.record(e)
+            raise
 
     with tf.device(HOST):
         outs = tf.py_function(body, list(tensors), list(out_dtypes), name=name)
