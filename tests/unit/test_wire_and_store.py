@@ -42,6 +42,45 @@ def test_mailbox_peer_gone_fails_waiters_at_once():
     assert time.monotonic() - t0 < 5
 
 
+def test_mailbox_drops_frames_of_finished_or_far_future_collectives():
+    mb = wire.Mailbox()
+    seen = []
+    mb.on_reject = seen.append
+    assert mb.deposit((0, 0, 0), b"s", memoryview(b"x"))
+    mb.take((0, 0, 0), time.monotonic() + 1, sender=1)
+    mb.forget(0)
+    assert not mb.deposit((0, 1, 0), b"s", memoryview(b"x"))                    # finished
+    assert not mb.deposit((1 + wire.SEQ_WINDOW + 1, 0, 0), b"s", memoryview(b"x"))  # names no collective yet
+    assert mb.deposit((1, 0, 0), b"s", memoryview(b"x")) and mb.deposit((2, 0, 0), b"s", memoryview(b"x"))
+    assert mb.rejected == 2 and len(seen) == 1 and "#0" in seen[0]  # logged once
+    assert mb.pending() == 2
+
+
+def test_coordinator_rejects_malformed_requests_and_keeps_its_store():
+    import grpc
+    from tf_commstrategy.core import grpc_util
+    port = free_port()
+    srv = CoordinatorServer(f"127.0.0.1:{port}", world_size=2)
+    try:
+        good = CoordinatorClient(f"127.0.0.1:{port}", 0)
+        good.set("k", "v")
+        ch = grpc_util.open_channel(f"127.0.0.1:{port}")
+        bad = [("Set", b"not json"), ("Set", b"[1, 2]"), ("Set", b'{"key": 5, "value": "x"}'),
+               ("Set", b'{"key": "k"}'), ("Get", b'{"key": "k", "wait_s": 1e9}'),
+               ("Add", b'{"key": "n", "amount": "1"}'), ("Add", b'{"key": "n", "amount": 99999999999999}'),
+               ("Barrier", b'{"name": "b", "rank": 7, "world": 2}'), ("Barrier", b'{"name": "b", "rank": 0, "world": 9}'),
+               ("Set", ('{"key": "%s", "value": "x"}' % ("k" * 10000)).encode())]
+        for method, body in bad:
+            with pytest.raises(grpc.RpcError) as e:
+                grpc_util.unary(ch, "Coordinator", method)(body, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, body)
+        assert good.get("k", timeout=1) == "v" and good.add("n", 2) == 2
+        ch.close()
+        good.close()
+    finally:
+        srv.stop()
+
+
 def test_coordinator_store_and_barrier():
     port = free_port()
     srv = CoordinatorServer(f"127.0.0.1:{port}", world_size=2)

@@ -83,6 +83,9 @@ class GrpcRingBackend(Backend):
         if self.chunk_bytes is None and self.size == 1:
             self.chunk_bytes = config.DEFAULT_CHUNK_BYTES
         self.mailbox = wire.Mailbox()
+        self.mailbox.on_reject = lambda what: log.warning(
+            "tf_commstrategy rank %d: dropped a data frame that names no current collective (%s); further "
+            "ones are not logged", self.rank, what)
         self._lock = threading.Lock()
         self._seq = 0
         self._busy_s = 0.0  # time spent inside collectives (for step-time splits in benchmarks)

@@ -134,6 +134,7 @@ class SocketServer:
                 magic, version, seq, step, chunk, frm, sig_len = wire.HEADER.unpack(bytes(head))
                 if magic != wire.MAGIC or version != wire.VERSION or frm != sender:
                     self._log_bad("malformed frame header")
+                    sender = None
                     break
                 if step == wire.BYE_STEP:
                     self._mailbox.peer_gone(sender, PeerLostError(
@@ -156,7 +157,10 @@ class SocketServer:
                     got += k
                 if got < nbytes:
                     break
-                self._mailbox.deposit((seq, step, chunk), sig, view)
+                if not self._mailbox.deposit((seq, step, chunk), sig, view):
+                    self._log_bad(f"frame for collective #{seq}, which is not running here")
+                    sender = None  # not a lost peer: a rejected connection
+                    break
         except OSError:
             pass
         finally:

@@ -60,14 +60,18 @@ class DataServer:
                     sender = int(value) if 0 <= int(value) < self.world_size else None
                 except ValueError:
                     sender = None
+        problem = None
         try:
             for msg in request_iterator:
                 try:
-                    seq, step, chunk, sender, sig, payload = wire.decode(msg, self.world_size)
+                    seq, step, chunk, frm, sig, payload = wire.decode(msg, self.world_size)
                 except wire.MalformedMessage as e:
-                    self._log_bad(str(e))
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed data message: {e}")
-                    return b""
+                    problem = f"malformed data message: {e}"
+                    break
+                if sender is not None and frm != sender:
+                    problem = f"frame from rank {frm} on the stream of rank {sender}"
+                    break
+                sender = frm
                 if step == wire.BYE_STEP:
                     self.mailbox.peer_gone(sender, PeerLostError(
                         f"rank {sender} ({self._describe(sender)}) shut down its process group while "
@@ -75,11 +79,17 @@ class DataServer:
                         rank=self.rank, peer_rank=sender, peer_address=self._describe(sender),
                         fix="every rank must make the same collective calls; a rank left early"))
                     return b""
-                self.mailbox.deposit((seq, step, chunk), sig, payload)
+                if not self.mailbox.deposit((seq, step, chunk), sig, payload):
+                    problem = f"frame for collective #{seq}, which is not running here"
+                    break
         except grpc.RpcError:
             pass
         except Exception as e:  # pragma: no cover - a handler must never die silently
             log.exception("tf_commstrategy rank %d: data stream handler failed: %s", self.rank, e)
+        if problem is not None:
+            # A rejected stream is not the peer's real stream: it does not count as a lost peer.
+            self._log_bad(problem)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if sender is not None and not self._closing.is_set():
             self.mailbox.peer_gone(sender, PeerLostError(
                 f"the connection from rank {sender} ({self._describe(sender)}) broke: the process died, "

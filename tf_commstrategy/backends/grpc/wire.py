@@ -22,6 +22,9 @@ MAGIC = b"TFCS"
 VERSION = 1
 HEADER = struct.Struct("<4sBQIIIH")  # magic, version, seq, step, chunk, sender, sig_len
 BYE_STEP = 0xFFFFFFFF               # sender closes its stream cleanly (shutdown)
+#: A neighbour is never more than one collective ahead; frames for collectives further out (or
+#: already finished) name no collective of this job and are dropped, logged once.
+SEQ_WINDOW = 64
 
 Key = Tuple[int, int, int]           # (seq, step, chunk)
 
@@ -69,12 +72,22 @@ class Mailbox:
         self._gone: Dict[int, BaseException] = {}
         self._seq_sig: Dict[int, bytes] = {}  # first signature seen per collective, to spot mismatches early
         self.remote_error: Optional[BaseException] = None
+        self.current = 0        # the oldest collective not finished here (set by the backend)
+        self.rejected = 0       # frames dropped for naming no current collective
+        self.on_reject = None   # called with a description on the first rejected frame
 
-    def deposit(self, key: Key, sig: bytes, payload: memoryview) -> None:
+    def deposit(self, key: Key, sig: bytes, payload: memoryview) -> bool:
+        """Store a frame; False (frame dropped) when its collective is finished or too far ahead."""
         with self._cv:
+            if not self.current <= key[0] <= self.current + SEQ_WINDOW:
+                self.rejected += 1
+                if self.rejected == 1 and self.on_reject is not None:
+                    self.on_reject(f"frame for collective #{key[0]} while at #{self.current}")
+                return False
             self._msgs[key] = (sig, payload)
             self._seq_sig.setdefault(key[0], sig)
             self._cv.notify_all()
+            return True
 
     def take(self, key: Key, deadline: float, sender: int, sig: Optional[bytes] = None, health=None):
         """Wait for ``key`` from ``sender`` until ``deadline`` (time.monotonic()).
@@ -107,9 +120,10 @@ class Mailbox:
                 self._cv.wait(min(left, 1.0))
 
     def forget(self, seq: int) -> None:
-        """Collective ``seq`` completed: drop its signature record."""
+        """Collective ``seq`` completed: drop its signature record; frames for it are stale from now on."""
         with self._cv:
             self._seq_sig.pop(seq, None)
+            self.current = max(self.current, seq + 1)
 
     def fail(self, error: BaseException, remote: bool = False) -> None:
         """Poison the mailbox; ``remote``: the error was reported by another rank (not to be re-broadcast)."""
