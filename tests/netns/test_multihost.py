@@ -64,6 +64,9 @@ class Worker:
         self._t.join(5)
         return "\n".join(t for _, t in self.lines)
 
+    def idle(self) -> bool:
+        return any(text.startswith("idle ") for _, text in self.lines)
+
     def progress(self) -> int:
         for _, text in reversed(self.lines):
             if text.startswith("progress "):
@@ -181,13 +184,24 @@ def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path):
 
 # -- 2: a host's link goes down --------------------------------------------------------------------------
 @pytest.mark.timeout(180)
-def test_link_down_is_detected_by_survivors_within_15s(make_hosts, tmp_path):
+@pytest.mark.parametrize("phase", ["busy", "waiting"])
+def test_link_down_is_detected_by_survivors_within_15s(make_hosts, tmp_path, phase):
+    """busy: all-reduces 10 ms apart, the link goes down after >= 50 of them.
+
+    waiting: after 50 all-reduces rank 2 pauses 20 s before the next one (a long compute step) while
+    ranks 0 and 1 enter it and wait for rank 2; the link goes down 1 s into that wait, when nothing is
+    in flight any more: a silent partition, no EOF, no RST, no unacknowledged data."""
     hosts = make_hosts(3)
     out = str(tmp_path)
+    args = ["--max-seconds", "150"]
+    if phase == "waiting":
+        args += ["--idle-after", "50", "--idle-sleep", "20", "--idle-ranks", "2"]
     # default timeouts except the collective deadline (TFCS_TIMEOUT=60): detection must not come from it
-    workers = start_job(hosts, [0, 1, 2], "loop", out, args=("--max-seconds", "150"), rendezvous_timeout=None)
+    workers = start_job(hosts, [0, 1, 2], "loop", out, args=args, rendezvous_timeout=None)
     end = time.monotonic() + 120
-    while min(w.progress() for w in workers) < 50:
+    ready = (lambda: workers[2].idle()) if phase == "waiting" else \
+        (lambda: min(w.progress() for w in workers) >= 50)
+    while not ready():
         dead = [w for w in workers if w.proc.poll() is not None]
         if dead or time.monotonic() > end:
             for w in workers:
@@ -196,6 +210,8 @@ def test_link_down_is_detected_by_survivors_within_15s(make_hosts, tmp_path):
                         "; ".join(f"rank {w.rank} rc={w.proc.poll()} progress={w.progress()}:\n"
                                   f"{w.output()[-2000:]}" for w in workers))
         time.sleep(0.05)
+    if phase == "waiting":
+        time.sleep(1.0)
     progress_at_cut = [w.progress() for w in workers]
     t_down = time.time()
     hosts.link_down(2)
@@ -205,7 +221,7 @@ def test_link_down_is_detected_by_survivors_within_15s(make_hosts, tmp_path):
     workers[2].proc.kill()
     workers[2].wait(5)
 
-    report = {"link_down_at": t_down, "bound_s": DETECT_BOUND_S, "progress_at_cut": progress_at_cut,
+    report = {"phase": phase, "link_down_at": t_down, "bound_s": DETECT_BOUND_S, "progress_at_cut": progress_at_cut,
               "cut_host": 2, "ranks": {}}
     failures = []
     for w in survivors:
@@ -227,9 +243,16 @@ def test_link_down_is_detected_by_survivors_within_15s(make_hosts, tmp_path):
         if detect > DETECT_BOUND_S:
             failures.append(f"rank {w.rank}: detected after {detect:.1f} s > {DETECT_BOUND_S} s "
                             f"({r['error_class']}: {r['message'][:300]})")
-    if os.environ.get("TFCS_NETNS_REPORT"):
-        with open(os.environ["TFCS_NETNS_REPORT"], "w") as f:
-            json.dump(report, f, indent=1)
+    path = os.environ.get("TFCS_NETNS_REPORT")
+    if path:  # one file, one entry per phase
+        try:
+            with open(path) as f:
+                everything = json.load(f)
+        except (OSError, ValueError):
+            everything = {}
+        everything[phase] = report
+        with open(path, "w") as f:
+            json.dump(everything, f, indent=1)
     print(json.dumps(report, indent=1))
     assert not failures, "\n".join(failures)
 

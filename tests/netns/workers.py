@@ -149,7 +149,9 @@ def collectives(out: str) -> None:
 
 
 # -- link-down loop ----------------------------------------------------------------------------------------
-def loop(out: str, max_seconds: float) -> None:
+def loop(out: str, max_seconds: float, idle_after: int = 0, idle_sleep: float = 0.0, idle_ranks=None) -> None:
+    """All-reduces of 4 KiB, 10 ms apart; after ``idle_after`` of them (if set) the ranks in ``idle_ranks``
+    (default all) pause ``idle_sleep`` s before each further one (the others wait for them inside it)."""
     _log_to_stderr()
     import tf_commstrategy as tfcs
     from tf_commstrategy.errors import TfcsError
@@ -170,7 +172,11 @@ def loop(out: str, max_seconds: float) -> None:
             n += 1
             if n % 5 == 0:
                 print(f"progress {n}", flush=True)
-            time.sleep(0.01)
+            if idle_after and n >= idle_after and (idle_ranks is None or rank in idle_ranks):
+                print(f"idle {n}", flush=True)
+                time.sleep(idle_sleep)
+            else:
+                time.sleep(0.01)
         report["collectives"] = n
         _write_json(os.path.join(out, f"loop-{rank}.json"), report)
         print("loop ended without an error", flush=True)
@@ -188,9 +194,13 @@ def main(argv=None) -> None:
     p.add_argument("kind", choices=["fit", "reference", "collectives", "loop"])
     p.add_argument("--out", required=True)
     p.add_argument("--max-seconds", type=float, default=90.0)
+    p.add_argument("--idle-after", type=int, default=0)
+    p.add_argument("--idle-sleep", type=float, default=0.0)
+    p.add_argument("--idle-ranks", default="", help="comma-separated ranks (default: all)")
     a = p.parse_args(argv)
     if a.kind == "loop":
-        loop(a.out, a.max_seconds)
+        idle_ranks = {int(r) for r in a.idle_ranks.split(",")} if a.idle_ranks else None
+        loop(a.out, a.max_seconds, a.idle_after, a.idle_sleep, idle_ranks)
     else:
         {"fit": fit, "reference": reference, "collectives": collectives}[a.kind](a.out)
 
