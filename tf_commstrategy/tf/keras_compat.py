@@ -15,9 +15,35 @@ from __future__ import annotations
 import tensorflow as tf
 
 _installed = False
+_warned_uneven = False
+
+
+def agree_on_steps(local_steps):
+    """The number of steps every worker runs when each inferred ``local_steps`` from its own data
+    (None: unknown). Equal counts are kept; different ones become the largest (the others get empty
+    batches at the end); if any worker does not know, nobody does (each runs to the end of data)."""
+    global _warned_uneven
+    import numpy as np
+    from .. import collectives
+    mine = np.array([-1 if local_steps is None else int(local_steps)], np.int64)
+    every = collectives.allgather(mine)
+    if (every == every[0]).all():
+        return local_steps
+    if not _warned_uneven:
+        _warned_uneven = True
+        import logging
+        logging.getLogger("tf_commstrategy").warning(
+            "tf_commstrategy: workers have different numbers of batches per epoch (%s); every worker runs %s "
+            "steps, and workers out of data contribute empty batches", every.tolist(),
+            "until all are out of data" if (every < 0).any() else int(every.max()))
+    return None if (every < 0).any() else int(every.max())
 
 
 def install() -> None:
+    """Teach tf_keras about ``CommStrategy`` (idempotent; ``CommStrategy()`` calls it).
+
+    Does nothing when tf_keras is not installed.
+    """
     global _installed
     if _installed:
         return
@@ -49,6 +75,25 @@ def install() -> None:
 
     _get_verbosity.__wrapped__ = original_verbosity
     training._get_verbosity = _get_verbosity
+
+    # Uneven data: workers whose datasets have different numbers of batches must still run the same
+    # number of steps (every step issues collectives). They agree on the largest count; a worker that
+    # runs out earlier gets empty batches from tf.distribute's partial-batch handling (the global
+    # "has data" count is all-reduced at every step), so the epoch ends at the same step everywhere.
+    from tf_keras.src.engine import data_adapter
+    original_infer = data_adapter.DataHandler._infer_steps
+    if not getattr(original_infer, "_tfcs_agrees", False):
+        def _infer_steps(self, steps, dataset):
+            inferred = original_infer(self, steps, dataset)
+            strategy = tf.distribute.get_strategy()
+            from .strategy import CommStrategy
+            if steps is not None or not isinstance(strategy, CommStrategy) or \
+                    not strategy.extended._in_multi_worker_mode():
+                return inferred
+            return agree_on_steps(inferred)
+        _infer_steps.__wrapped__ = original_infer
+        _infer_steps._tfcs_agrees = True
+        data_adapter.DataHandler._infer_steps = _infer_steps
 
     # Errors: a PeerLostError (etc.) inside the train step reaches Keras as tf.errors.UnknownError;
     # fit / evaluate / predict re-raise our typed error instead, chained from TF's.
