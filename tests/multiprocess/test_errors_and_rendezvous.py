@@ -13,6 +13,7 @@ def _mismatch(rank, size, kind):
     import tf_commstrategy as tfcs
     tfcs.init()
     tfcs.allreduce(np.ones(3))  # one good collective first
+    t_call = time.monotonic()
     try:
         if kind == "dtype":
             tfcs.allreduce(np.ones(4, np.float32 if rank == 0 else np.float64))
@@ -28,6 +29,7 @@ def _mismatch(rank, size, kind):
             else:
                 tfcs.allreduce(np.ones(4))
     except tfcs.TfcsError as e:
+        fail_s = time.monotonic() - t_call
         # the group is now unusable, and says so at once
         t0 = time.monotonic()
         try:
@@ -35,8 +37,8 @@ def _mismatch(rank, size, kind):
             again = "no error"
         except tfcs.TfcsError as e2:
             again = str(e2)
-        return type(e).__name__, str(e), again, time.monotonic() - t0
-    return "no error", "", "", 0
+        return type(e).__name__, str(e), again, time.monotonic() - t0, fail_s
+    return "no error", "", "", 0, 0
 
 
 @pytest.mark.parametrize("kind", ["dtype", "shape", "op", "root", "order"])
@@ -46,9 +48,10 @@ def test_mismatch_raises_on_every_rank_naming_both_signatures(kind):
     assert names == ["CollectiveMismatchError"] * 3, res  # the same class on every rank
     # at least one rank saw both signatures; the others got them in its report
     assert any("this rank called [" in r[1] and "but rank" in r[1] for r in res), res
-    for name, msg, again, dt in res:
+    for name, msg, again, dt, fail_s in res:
         assert "called [" in msg and msg.count("[") >= 2, msg
         assert "unusable" in again and dt < 1.0
+        assert fail_s < 10  # the deadline is 30 s: found at the first message, not at the deadline
 
 
 def _skip_one(rank, size):
