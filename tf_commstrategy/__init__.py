@@ -7,7 +7,9 @@ Layers (data flows downwards only):
 * the collective core (``tf_commstrategy.core``, ``backends``, ``rendezvous``): numpy / cupy buffers,
   no TensorFlow import.
 
-Importing this package does not import TensorFlow; the TF layer loads on first use.
+Importing this package does not import TensorFlow; the TF layer loads on first use:
+``tfcs.CommStrategy``, ``tfcs.CommOptions``, ``tfcs.unwrap_errors`` and ``tfcs.callbacks`` are
+imported when first accessed.
 """
 
 from .collectives import (allgather, allreduce, barrier, broadcast, grouped_allreduce, grouped_broadcast,

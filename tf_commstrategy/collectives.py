@@ -67,8 +67,13 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
 
     Raises:
       UnsupportedOperationError: dtype/op combination not supported (e.g. sum of bools).
-      CollectiveMismatchError: ranks disagree on op, dtype or shape.
-      CollectiveTimeoutError, PeerLostError: a peer did not deliver / died.
+      ConfigurationError: unknown op or backend name.
+      BackendUnavailableError: the chosen backend cannot run here (e.g. nccl without cupy).
+      NotInitializedError: ``tfcs.init()`` has not been called.
+      CollectiveMismatchError: ranks disagree on the call (op, dtype, shape, root or order).
+      CollectiveTimeoutError: a peer did not deliver before the deadline.
+      PeerLostError: a peer died or its connection broke.
+      CollectiveAbortedError: another rank failed and aborted the group.
     """
     if _is_tf(x):
         from .tf import tensor_ops
@@ -81,7 +86,27 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
 
 def grouped_allreduce(xs: Sequence, op="sum", *, backend: Optional[str] = None,
                       timeout: Optional[float] = None) -> List:
-    """Allreduce a list of arrays as one fused transfer per dtype. Same arguments as ``allreduce``."""
+    """Allreduce a list of arrays as one fused transfer per dtype. Same arguments as ``allreduce``.
+
+    Args:
+      xs: arrays (numpy / array-likes, or tf.Tensors), in the same order with the same shapes and
+        dtypes on every rank.
+      op: "sum" | "mean" | "min" | "max" | "prod" (or ``tf.distribute.ReduceOp``).
+      backend: "grpc" | "nccl" | "auto" for this call only (default: the group's backend).
+      timeout: deadline in seconds for each fused transfer (default: the group's, ``TFCS_TIMEOUT``).
+
+    Returns:
+      A list of reduced arrays (tensors for tensor inputs), in the order of ``xs``.
+
+    Raises:
+      UnsupportedOperationError: a dtype/op combination is not supported.
+      ConfigurationError: unknown op or backend name.
+      NotInitializedError: ``tfcs.init()`` has not been called.
+      CollectiveMismatchError: ranks disagree on the call (op, dtype, shape, root or order).
+      CollectiveTimeoutError: a peer did not deliver before the deadline.
+      PeerLostError: a peer died or its connection broke.
+      CollectiveAbortedError: another rank failed and aborted the group.
+    """
     if xs and _is_tf(xs[0]):
         from .tf import tensor_ops
         return tensor_ops.grouped_allreduce(list(xs), op, backend=backend, timeout=timeout)
@@ -97,9 +122,24 @@ def grouped_allreduce(xs: Sequence, op="sum", *, backend: Optional[str] = None,
 def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: Optional[float] = None):
     """Return root's ``x`` on every worker (same shape and dtype required on every rank).
 
+    Args:
+      x: numpy array (or array-like), tf.Tensor, or cupy array: the data on the root, a buffer of the
+        same shape and dtype elsewhere.
+      root_rank: the rank whose ``x`` everybody gets.
+      backend: "grpc" | "nccl" | "auto" for this call only (default: the group's backend).
+      timeout: deadline in seconds for this call (default: the group's, ``TFCS_TIMEOUT``).
+
+    Returns:
+      Root's ``x``, as an array of the same type as ``x``.
+
     Raises:
       ConfigurationError: ``root_rank`` is not a rank of the job.
-      CollectiveMismatchError, CollectiveTimeoutError, PeerLostError: as for ``allreduce``.
+      UnsupportedOperationError: the dtype is not supported.
+      NotInitializedError: ``tfcs.init()`` has not been called.
+      CollectiveMismatchError: ranks disagree on the call (op, dtype, shape, root or order).
+      CollectiveTimeoutError: a peer did not deliver before the deadline.
+      PeerLostError: a peer died or its connection broke.
+      CollectiveAbortedError: another rank failed and aborted the group.
     """
     if _is_tf(x):
         from .tf import tensor_ops
@@ -112,7 +152,27 @@ def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: 
 
 def grouped_broadcast(xs: Sequence, root_rank: int = 0, *, backend: Optional[str] = None,
                       timeout: Optional[float] = None) -> List:
-    """Broadcast a list of arrays from ``root_rank`` as one fused transfer per dtype."""
+    """Broadcast a list of arrays from ``root_rank`` as one fused transfer per dtype.
+
+    Args:
+      xs: numpy arrays (or array-likes), in the same order with the same shapes and dtypes on every
+        rank; their values matter on the root only.
+      root_rank: the rank whose arrays everybody gets.
+      backend: "grpc" | "nccl" | "auto" for this call only (default: the group's backend).
+      timeout: deadline in seconds for each fused transfer (default: the group's, ``TFCS_TIMEOUT``).
+
+    Returns:
+      A list of root's arrays, in the order of ``xs``.
+
+    Raises:
+      ConfigurationError: ``root_rank`` is not a rank of the job.
+      UnsupportedOperationError: a dtype is not supported.
+      NotInitializedError: ``tfcs.init()`` has not been called.
+      CollectiveMismatchError: ranks disagree on the call (op, dtype, shape, root or order).
+      CollectiveTimeoutError: a peer did not deliver before the deadline.
+      PeerLostError: a peer died or its connection broke.
+      CollectiveAbortedError: another rank failed and aborted the group.
+    """
     root = _check_root(root_rank)
     arrs = [_as_array(x, "grouped_broadcast") for x in xs]
     if not arrs:
@@ -126,8 +186,21 @@ def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = No
     """Concatenate every worker's ``x`` along axis 0, in rank order. First dimensions may differ;
     the other dimensions and the dtype must match. A scalar counts as shape (1,).
 
+    Args:
+      x: numpy array (or array-like), tf.Tensor, or cupy array.
+      backend: "grpc" | "nccl" | "auto" for this call only (default: the group's backend).
+      timeout: deadline in seconds for this call (default: the group's, ``TFCS_TIMEOUT``).
+
+    Returns:
+      The concatenation, of the same type as ``x``, on every rank.
+
     Raises:
       CollectiveMismatchError: trailing dimensions or dtypes differ between ranks.
+      UnsupportedOperationError: the dtype is not supported.
+      NotInitializedError: ``tfcs.init()`` has not been called.
+      CollectiveTimeoutError: a peer did not deliver before the deadline.
+      PeerLostError: a peer died or its connection broke.
+      CollectiveAbortedError: another rank failed and aborted the group.
     """
     if _is_tf(x):
         from .tf import tensor_ops
@@ -139,7 +212,27 @@ def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = No
 
 def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
     """Reduce ``x`` over all workers, then give rank r the r-th piece of axis 0, split as
-    ``np.array_split(result, size())`` does (the first ``len % size`` ranks get one extra row)."""
+    ``np.array_split(result, size())`` does (the first ``len % size`` ranks get one extra row).
+
+    Args:
+      x: numpy array (or array-like), tf.Tensor, or cupy array, at least 1-D; same shape and dtype on
+        every rank.
+      op: "sum" | "mean" | "min" | "max" | "prod" (or ``tf.distribute.ReduceOp``).
+      backend: "grpc" | "nccl" | "auto" for this call only (default: the group's backend).
+      timeout: deadline in seconds for this call (default: the group's, ``TFCS_TIMEOUT``).
+
+    Returns:
+      This rank's rows of the reduced array, of the same type as ``x``.
+
+    Raises:
+      UnsupportedOperationError: dtype/op combination not supported.
+      ConfigurationError: unknown op or backend name.
+      NotInitializedError: ``tfcs.init()`` has not been called.
+      CollectiveMismatchError: ranks disagree on the call (op, dtype, shape, root or order).
+      CollectiveTimeoutError: a peer did not deliver before the deadline.
+      PeerLostError: a peer died or its connection broke.
+      CollectiveAbortedError: another rank failed and aborted the group.
+    """
     if _is_tf(x):
         from .tf import tensor_ops
         return tensor_ops.reduce_scatter(x, op, backend=backend, timeout=timeout)
@@ -150,7 +243,19 @@ def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optio
 
 
 def barrier(*, backend: Optional[str] = None, timeout: Optional[float] = None) -> None:
-    """Return once every worker has called ``barrier``."""
+    """Return once every worker has called ``barrier``.
+
+    Args:
+      backend: the backend whose peers to wait for (default: the group's; "auto" means grpc).
+      timeout: deadline in seconds (default: the group's, ``TFCS_TIMEOUT``).
+
+    Raises:
+      NotInitializedError: ``tfcs.init()`` has not been called.
+      CollectiveMismatchError: ranks disagree on the call (op, dtype, shape, root or order).
+      CollectiveTimeoutError: a peer did not deliver before the deadline.
+      PeerLostError: a peer died or its connection broke.
+      CollectiveAbortedError: another rank failed and aborted the group.
+    """
     g = default_group()
     name = normalize_backend_name(backend) or g.default_backend
     g.backend("grpc" if name == "auto" else name).barrier(timeout)

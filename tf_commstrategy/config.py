@@ -27,7 +27,17 @@ _SIZE_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M":
 
 
 def parse_size(text: str) -> int:
-    """'8' -> 8, '4K' -> 4096, '64M' -> 67108864, '1GiB' -> 1073741824."""
+    """'8' -> 8, '4K' -> 4096, '64M' -> 67108864, '1GiB' -> 1073741824.
+
+    Args:
+      text: a number with an optional suffix B, K/KB/KiB, M/MB/MiB, G/GB/GiB (powers of 1024).
+
+    Returns:
+      The number of bytes.
+
+    Raises:
+      ConfigurationError: the text cannot be parsed.
+    """
     s = str(text).strip().upper()
     num = s.rstrip("KMGIB")
     suffix = s[len(num):]
@@ -41,7 +51,20 @@ def parse_size(text: str) -> int:
 
 def env_value(name: str, parse: Callable[[str], T], default: T,
               environ: Optional[Mapping[str, str]] = None) -> T:
-    """Read ``name`` from the environment and parse it, with an error that names the variable."""
+    """Read ``name`` from the environment and parse it, with an error that names the variable.
+
+    Args:
+      name: the variable.
+      parse: turns its text into a value; raises ``ValueError`` for invalid text.
+      default: the value when the variable is unset or empty.
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      The parsed value, or ``default``.
+
+    Raises:
+      ConfigurationError: the value is invalid (the message names the variable).
+    """
     env = os.environ if environ is None else environ
     raw = env.get(name)
     if raw is None or raw == "":
@@ -54,24 +77,77 @@ def env_value(name: str, parse: Callable[[str], T], default: T,
 
 
 def timeout_from_env(environ=None) -> float:
+    """``TFCS_TIMEOUT``: the collective deadline in seconds (default 300; must be > 0).
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      Seconds.
+
+    Raises:
+      ConfigurationError: the value is invalid.
+    """
     return env_value("TFCS_TIMEOUT", _positive_float, DEFAULT_TIMEOUT_S, environ)
 
 
 def rendezvous_timeout_from_env(environ=None) -> float:
+    """``TFCS_RENDEZVOUS_TIMEOUT``: seconds to wait for the coordinator and every worker (default 300).
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      Seconds.
+
+    Raises:
+      ConfigurationError: the value is invalid.
+    """
     return env_value("TFCS_RENDEZVOUS_TIMEOUT", _positive_float, DEFAULT_RENDEZVOUS_TIMEOUT_S, environ)
 
 
 def chunk_bytes_from_env(environ=None) -> Optional[int]:
-    """None when unset: the ring then picks a size that suits its transports."""
+    """``TFCS_CHUNK_BYTES``: the ring's pipelining unit (a size such as "4M").
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      The size in bytes, or None when unset: the ring then picks a size that suits its transports.
+
+    Raises:
+      ConfigurationError: the value is invalid.
+    """
     return env_value("TFCS_CHUNK_BYTES", parse_size, None, environ)
 
 
 def small_bytes_from_env(environ=None) -> int:
+    """``TFCS_SMALL_ALLREDUCE_BYTES``: all-reduce by one all-gather pass up to this size (default 0: off).
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      Bytes.
+
+    Raises:
+      ConfigurationError: the value is invalid.
+    """
     return env_value("TFCS_SMALL_ALLREDUCE_BYTES", parse_size, DEFAULT_SMALL_BYTES, environ)
 
 
 def heartbeat_timeout_from_env(environ=None) -> float:
-    """``TFCS_HEARTBEAT_TIMEOUT`` seconds (0 turns peer heartbeats off)."""
+    """``TFCS_HEARTBEAT_TIMEOUT`` seconds (0 turns peer heartbeats off).
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      Seconds (0: off).
+
+    Raises:
+      ConfigurationError: the value is invalid.
+    """
     def parse(s: str) -> float:
         v = float(s)
         if v < 0:
@@ -81,6 +157,14 @@ def heartbeat_timeout_from_env(environ=None) -> float:
 
 
 def backend_from_env(environ=None) -> str:
+    """``TFCS_BACKEND``: the default backend name, lower-cased (default "auto").
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      The name.
+    """
     return env_value("TFCS_BACKEND", lambda s: s.strip().lower(), DEFAULT_BACKEND, environ)
 
 

@@ -26,6 +26,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     Args:
       root_rank: the rank whose state everybody takes.
+
+    Attributes:
+      broadcasts: how many times the state was broadcast (once per ``fit``).
+
+    Raises:
+      ConfigurationError: ``root_rank`` is not a rank of the job (at the start of ``fit``).
+      CollectiveError: a subclass, from the broadcast.
     """
 
     def __init__(self, root_rank: int = 0):
@@ -34,6 +41,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcasts = 0
 
     def on_train_begin(self, logs=None):
+        """Build the optimizer's slots, then broadcast every model and optimizer variable from the root.
+
+        Args:
+      logs: Keras's logs (unused).
+        """
         model = self.model
         opt = model.optimizer
         with model.distribute_strategy.scope():
@@ -59,9 +71,18 @@ class MetricAverageCallback(keras.callbacks.Callback):
     With local metrics (``CommStrategy(sync_metrics=False)`` or no CommStrategy) this makes the epoch
     logs global; with global metrics it changes nothing (identical values are left as they are).
     Keys are reduced in sorted order, so every rank issues the same collectives.
+
+    Raises:
+      CollectiveError: a subclass, from the all-reduce (e.g. ranks with different log keys).
     """
 
     def on_epoch_end(self, epoch, logs=None):
+        """Average the scalars of ``logs`` over workers, in place (nothing to do with one worker).
+
+        Args:
+          epoch: the epoch that ended.
+          logs: the epoch logs, changed in place.
+        """
         if logs is None or process.size() == 1:
             return
         logic.average_logs(logs, lambda a, op: collectives.allreduce(a, op=op))
@@ -76,6 +97,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
       warmup_epochs: number of epochs the warmup lasts.
       steps_per_epoch: batches per epoch (default: what ``fit`` reports).
       verbose: 1 prints the learning rate on rank 0 when the warmup ends.
+
+    Attributes:
+      current_lr: the learning rate last set (None before the first batch).
     """
 
     def __init__(self, initial_lr: float, warmup_epochs: float = 5, steps_per_epoch: Optional[int] = None,
@@ -89,24 +113,56 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self.current_lr = None
 
     def on_train_begin(self, logs=None):
+        """Take ``steps_per_epoch`` from ``fit`` when it was not given.
+
+        Args:
+      logs: Keras's logs (unused).
+        """
         if self.steps_per_epoch is None:
             self.steps_per_epoch = self.params.get("steps") or 1
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Remember the epoch, for the per-batch schedule.
+
+        Args:
+          epoch: the epoch that begins.
+      logs: Keras's logs (unused).
+        """
         self._epoch = epoch
 
     def lr_at(self, epoch: int, batch: int) -> float:
+        """The learning rate of batch ``batch`` of epoch ``epoch`` during the warmup.
+
+        Args:
+          epoch: 0-based epoch.
+          batch: 0-based batch within the epoch.
+
+        Returns:
+          ``initial_lr`` times the warmup multiplier (1 / size at the start, 1 at the end).
+        """
         frac = epoch + float(batch) / max(1, self.steps_per_epoch)
         return self.initial_lr * logic.warmup_multiplier(frac, process.size() if process.is_initialized() else 1,
                                                          self.warmup_epochs)
 
     def on_train_batch_begin(self, batch, logs=None):
+        """Set the optimizer's learning rate for this batch while the warmup lasts.
+
+        Args:
+          batch: the batch within the epoch.
+      logs: Keras's logs (unused).
+        """
         if self._epoch >= self.warmup_epochs:
             return
         self.current_lr = self.lr_at(self._epoch, batch)
         _set_lr(self.model.optimizer, self.current_lr)
 
     def on_epoch_end(self, epoch, logs=None):
+        """At the warmup's last epoch set ``initial_lr``; record the learning rate as ``logs["lr"]``.
+
+        Args:
+          epoch: the epoch that ended.
+          logs: the epoch logs; ``lr`` is added.
+        """
         if epoch + 1 == int(np.ceil(self.warmup_epochs)):
             self.current_lr = self.initial_lr
             _set_lr(self.model.optimizer, self.initial_lr)
@@ -138,5 +194,11 @@ def verbosity(verbose="auto") -> int:
 
     ``model.fit(..., verbose=tfcs.callbacks.verbosity())``; under ``CommStrategy`` the default
     ``verbose="auto"`` already does this.
+
+    Args:
+      verbose: what rank 0 should use; "auto" (or None) means 1.
+
+    Returns:
+      ``verbose`` on rank 0 (1 for "auto"), 0 on the other ranks for "auto", ``verbose`` otherwise.
     """
     return logic.rank0_verbosity(verbose, process.rank() if process.is_initialized() else 0)

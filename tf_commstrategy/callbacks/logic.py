@@ -16,6 +16,14 @@ def warmup_multiplier(epoch: float, size: int, warmup_epochs: float) -> float:
 
     Starts at 1 / size (epoch 0) and grows linearly to 1 at ``warmup_epochs``; 1 afterwards.
     ``epoch`` is fractional: epoch + batch / steps_per_epoch.
+
+    Args:
+      epoch: fractional epoch.
+      size: number of workers.
+      warmup_epochs: length of the warmup (<= 0: no warmup).
+
+    Returns:
+      The multiplier, in [1 / size, 1].
     """
     if warmup_epochs <= 0 or epoch >= warmup_epochs:
         return 1.0
@@ -23,7 +31,14 @@ def warmup_multiplier(epoch: float, size: int, warmup_epochs: float) -> float:
 
 
 def scalar_keys(logs: Dict) -> List[str]:
-    """Keys of ``logs`` whose values are scalars, sorted: every rank reduces them in the same order."""
+    """Keys of ``logs`` whose values are scalars, sorted: every rank reduces them in the same order.
+
+    Args:
+      logs: Keras epoch logs.
+
+    Returns:
+      The sorted keys of the numeric scalar entries.
+    """
     out = []
     for k, v in logs.items():
         if isinstance(v, numbers.Number) or (hasattr(v, "shape") and np.ndim(v) == 0):
@@ -36,6 +51,13 @@ def average_logs(logs: Dict, allreduce: Callable[[np.ndarray, str], np.ndarray])
 
     Values identical on every worker (global metrics) are left bit-for-bit unchanged: averaging them
     in floating point could change the last bit.
+
+    Args:
+      logs: Keras epoch logs, changed in place.
+      allreduce: ``allreduce(array, op) -> array`` over all workers (op "sum", "min" or "max").
+
+    Returns:
+      ``logs``.
     """
     keys = scalar_keys(logs)
     if not keys:
@@ -54,12 +76,30 @@ def average_logs(logs: Dict, allreduce: Callable[[np.ndarray, str], np.ndarray])
 
 def broadcast_state(arrays: Sequence[np.ndarray], root_rank: int,
                     grouped_broadcast: Callable[[Sequence[np.ndarray], int], List[np.ndarray]]) -> List[np.ndarray]:
-    """Root's values of ``arrays`` (fused per dtype into one transfer)."""
+    """Root's values of ``arrays`` (fused per dtype into one transfer).
+
+    Args:
+      arrays: this worker's values.
+      root_rank: the rank whose values everybody takes.
+      grouped_broadcast: ``grouped_broadcast(arrays, root) -> arrays``.
+
+    Returns:
+      Root's values, in order (an empty list for no arrays, without a collective).
+    """
     return list(grouped_broadcast(list(arrays), root_rank)) if arrays else []
 
 
 def rank0_verbosity(verbose, rank: int, default: int = 1):
-    """Keras ``verbose`` for this rank: "auto" means the progress bar on rank 0 and silence elsewhere."""
+    """Keras ``verbose`` for this rank: "auto" means the progress bar on rank 0 and silence elsewhere.
+
+    Args:
+      verbose: the requested value; "auto" or None for the rank-dependent default.
+      rank: this worker's rank.
+      default: what rank 0 gets for "auto".
+
+    Returns:
+      The ``verbose`` value to pass to Keras.
+    """
     if verbose == "auto" or verbose is None:
         return default if rank == 0 else 0
     return verbose

@@ -17,51 +17,143 @@ from .reduce_ops import ReduceOp
 
 class Backend(abc.ABC):
     """What every collective backend implements. All calls are collective: every rank must make
-    the same calls in the same order with matching arguments (checked, see ``signature``)."""
+    the same calls in the same order with matching arguments (checked, see ``signature``).
+
+    Buffers are framework-neutral (numpy arrays for grpc, cupy arrays for nccl). ``timeout`` is
+    the call's deadline in seconds; None means the process group's (``TFCS_TIMEOUT``).
+
+    Every collective method may raise:
+      CollectiveMismatchError: ranks called different collectives, or with other arguments.
+      CollectiveTimeoutError: a peer did not deliver before the deadline.
+      PeerLostError: a peer died or its connection broke.
+      CollectiveAbortedError: another rank failed and aborted the group.
+      CollectiveError: the backend already failed earlier (it stays unusable).
+
+    Attributes:
+      name: the registry name ("grpc", "nccl", ...).
+    """
 
     name: str = "?"
 
     @abc.abstractmethod
     def allreduce(self, buf, op: ReduceOp, timeout: Optional[float] = None):
-        """Return a new buffer holding ``op`` over every rank's ``buf`` (same shape and dtype)."""
+        """Return a new buffer holding ``op`` over every rank's ``buf`` (same shape and dtype).
+
+        Args:
+          buf: this rank's contribution; same shape and dtype on every rank.
+          op: the reduction.
+          timeout: deadline in seconds (None: the group's).
+
+        Returns:
+          The reduced buffer, of the same shape and dtype, on every rank.
+        """
 
     @abc.abstractmethod
     def broadcast(self, buf, root: int, timeout: Optional[float] = None):
-        """Return root's ``buf`` on every rank (same shape and dtype on every rank)."""
+        """Return root's ``buf`` on every rank (same shape and dtype on every rank).
+
+        Args:
+          buf: the data on ``root``; a buffer of the same shape and dtype elsewhere.
+          root: the rank whose data everybody gets.
+          timeout: deadline in seconds (None: the group's).
+
+        Returns:
+          Root's data.
+        """
 
     @abc.abstractmethod
     def allgather(self, buf, timeout: Optional[float] = None):
-        """Concatenate every rank's ``buf`` along axis 0 in rank order; first dims may differ."""
+        """Concatenate every rank's ``buf`` along axis 0 in rank order; first dims may differ.
+
+        Args:
+          buf: this rank's block; trailing dimensions and dtype equal on every rank.
+          timeout: deadline in seconds (None: the group's).
+
+        Returns:
+          All blocks, concatenated in rank order.
+        """
 
     @abc.abstractmethod
     def reduce_scatter(self, buf, op: ReduceOp, timeout: Optional[float] = None):
-        """Reduce, then give rank r the r-th of ``world_size`` pieces of axis 0 (np.array_split rule)."""
+        """Reduce, then give rank r the r-th of ``world_size`` pieces of axis 0 (np.array_split rule).
+
+        Args:
+          buf: this rank's contribution; same shape and dtype on every rank.
+          op: the reduction.
+          timeout: deadline in seconds (None: the group's).
+
+        Returns:
+          This rank's piece of the reduced buffer.
+        """
 
     @abc.abstractmethod
     def barrier(self, timeout: Optional[float] = None) -> None:
-        """Return once every rank has entered the barrier."""
+        """Return once every rank has entered the barrier.
+
+        Args:
+          timeout: deadline in seconds (None: the group's).
+        """
 
     def batch_allreduce(self, bufs: Sequence, op: ReduceOp, timeout: Optional[float] = None) -> List:
-        """Allreduce many buffers; the default fuses per dtype into one transfer (backends may override)."""
+        """Allreduce many buffers; the default fuses per dtype into one transfer (backends may override).
+
+        Args:
+          bufs: the buffers, in the same order on every rank.
+          op: the reduction.
+          timeout: deadline in seconds for each fused transfer (None: the group's).
+
+        Returns:
+          The reduced buffers, in the order of ``bufs``.
+        """
         from .fusion import fused_allreduce
         return fused_allreduce(self, bufs, op, timeout)
 
     def batch_broadcast(self, bufs: Sequence, root: int, timeout: Optional[float] = None) -> List:
+        """Broadcast many buffers from ``root``, fused per dtype into one transfer each.
+
+        Args:
+          bufs: the buffers, in the same order on every rank.
+          root: the rank whose data everybody gets.
+          timeout: deadline in seconds for each fused transfer (None: the group's).
+
+        Returns:
+          Root's buffers, in the order of ``bufs``.
+        """
         from .fusion import fused_broadcast
         return fused_broadcast(self, bufs, root, timeout)
 
     def batch_allgather(self, bufs: Sequence, timeout: Optional[float] = None) -> List:
+        """All-gather each buffer in turn (one collective per buffer).
+
+        Args:
+          bufs: the buffers, in the same order on every rank.
+          timeout: deadline in seconds for each call (None: the group's).
+
+        Returns:
+          One gathered buffer per input, in order.
+        """
         return [self.allgather(b, timeout) for b in bufs]
 
     def accepts(self, buf) -> bool:
-        """True when this backend can move ``buf`` without a conversion (used by "auto")."""
+        """True when this backend can move ``buf`` without a conversion (used by "auto").
+
+        Args:
+          buf: a buffer.
+
+        Returns:
+          Whether ``buf`` can be passed as it is.
+        """
         return True
 
     def close(self) -> None:
         """Release resources; called by ``ProcessGroup.shutdown``."""
 
     def abort(self, error: BaseException) -> None:
-        """Fail every pending and future collective of this backend with ``error``."""
+        """Fail every pending and future collective of this backend with ``error``.
+
+        Args:
+          error: what the pending and later calls raise.
+        """
 
 
 #: name -> factory(process_group) -> Backend
@@ -69,15 +161,37 @@ _FACTORIES: Dict[str, Callable] = {}
 
 
 def register_backend(name: str, factory: Callable) -> None:
-    """Register a backend factory under ``name`` (used by grpc and nccl; plugins may add more)."""
+    """Register a backend factory under ``name`` (used by grpc and nccl; plugins may add more).
+
+    Args:
+      name: the name users select it by (``backend=name``, ``TFCS_BACKEND=name``).
+      factory: ``factory(process_group) -> Backend``, called once per process group on first use;
+        it raises ``BackendUnavailableError`` when the backend cannot run here.
+    """
     _FACTORIES[name] = factory
 
 
 def backend_names() -> List[str]:
+    """The names a backend can be selected by.
+
+    Returns:
+      The registered names, sorted, then "auto".
+    """
     return sorted(_FACTORIES) + ["auto"]
 
 
 def factory_for(name: str) -> Callable:
+    """The factory registered under ``name``.
+
+    Args:
+      name: a registered backend name (not "auto", which is a policy).
+
+    Returns:
+      ``factory(process_group) -> Backend``.
+
+    Raises:
+      ConfigurationError: no backend of that name is registered.
+    """
     try:
         return _FACTORIES[name]
     except KeyError:
@@ -85,7 +199,17 @@ def factory_for(name: str) -> Callable:
 
 
 def normalize_backend_name(name: Optional[str]) -> Optional[str]:
-    """Map user spellings (including TF's CommunicationImplementation names) to registry names."""
+    """Map user spellings (including TF's CommunicationImplementation names) to registry names.
+
+    Args:
+      name: e.g. "grpc", "GRPC", "ring", ``CommunicationImplementation.NCCL``, "auto", or None.
+
+    Returns:
+      The registry name ("ring" becomes "grpc"), or None for None.
+
+    Raises:
+      ConfigurationError: the name is not a known backend.
+    """
     if name is None:
         return None
     key = getattr(name, "name", name)
@@ -97,4 +221,14 @@ def normalize_backend_name(name: Optional[str]) -> Optional[str]:
 
 
 def unavailable(name: str, why: str, fix: str) -> BackendUnavailableError:
+    """The error a backend factory raises when it cannot run here.
+
+    Args:
+      name: the backend.
+      why: the reason, e.g. "cupy is not installed".
+      fix: what the user can do about it.
+
+    Returns:
+      A ``BackendUnavailableError`` to raise.
+    """
     return BackendUnavailableError(f"backend {name!r} cannot run here: {why}", fix=fix)

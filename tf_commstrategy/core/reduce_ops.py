@@ -28,6 +28,17 @@ class ReduceOp(str, enum.Enum):
 
     @classmethod
     def parse(cls, op: Union[str, "ReduceOp"]) -> "ReduceOp":
+        """The ``ReduceOp`` a user spelling stands for.
+
+        Args:
+          op: a ``ReduceOp``, a name ("sum", "MEAN", ...) or ``tf.distribute.ReduceOp.SUM`` / ``MEAN``.
+
+        Returns:
+          The matching ``ReduceOp``.
+
+        Raises:
+          ConfigurationError: not one of sum, mean, min, max, prod.
+        """
         if isinstance(op, ReduceOp):
             return op
         name = getattr(op, "name", op)  # accepts tf.distribute.ReduceOp.SUM / MEAN too
@@ -51,11 +62,24 @@ _LOW_PRECISION = {np.dtype(np.float16)} | ({BFLOAT16} if BFLOAT16 is not None el
 
 
 def supported_dtypes():
-    """The dtypes every collective accepts (bool only for min / max and data movement)."""
+    """The dtypes every collective accepts (bool only for min / max and data movement).
+
+    Returns:
+      A list of numpy dtypes, sorted by name.
+    """
     return sorted(_SUPPORTED, key=str)
 
 
 def check_dtype(dtype: np.dtype, op: ReduceOp = None) -> None:
+    """Check that a collective is defined for ``dtype`` (and ``op``).
+
+    Args:
+      dtype: anything ``np.dtype`` accepts.
+      op: the reduction, or None for data movement (broadcast, all-gather).
+
+    Raises:
+      UnsupportedOperationError: the dtype is not supported, or bool with an op other than min / max.
+    """
     dtype = np.dtype(dtype)
     if dtype not in _SUPPORTED:
         raise UnsupportedOperationError(
@@ -68,12 +92,29 @@ def check_dtype(dtype: np.dtype, op: ReduceOp = None) -> None:
 
 
 def needs_wide_accumulator(dtype: np.dtype, op: "ReduceOp") -> bool:
-    """float16 / bfloat16 sums, means and products are accumulated in float32 (see core.ring)."""
+    """float16 / bfloat16 sums, means and products are accumulated in float32 (see core.ring).
+
+    Args:
+      dtype: the buffer's dtype.
+      op: the reduction.
+
+    Returns:
+      True when the reduction must run on a float32 copy.
+    """
     return np.dtype(dtype) in _LOW_PRECISION and op in (ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.PROD)
 
 
 def combine_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
-    """``dst = dst (op) src`` in place (MEAN combines as SUM; the division comes at the end)."""
+    """``dst = dst (op) src`` in place (MEAN combines as SUM; the division comes at the end).
+
+    Args:
+      dst: the accumulator, changed in place.
+      src: the incoming values, same shape.
+      op: the reduction.
+
+    Raises:
+      ConfigurationError: an unknown op.
+    """
     if op is ReduceOp.SUM or op is ReduceOp.MEAN:
         np.add(dst, src, out=dst)
     elif op is ReduceOp.PROD:
@@ -87,7 +128,12 @@ def combine_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
 
 
 def finish_mean(buf: np.ndarray, world_size: int) -> None:
-    """Turn a sum into a mean in place. Integers use floor division (documented)."""
+    """Turn a sum into a mean in place. Integers use floor division (documented).
+
+    Args:
+      buf: the sum over all ranks, changed in place.
+      world_size: the number of ranks.
+    """
     if world_size == 1:
         return
     if np.issubdtype(buf.dtype, np.integer):

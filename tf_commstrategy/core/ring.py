@@ -27,18 +27,44 @@ from .reduce_ops import ReduceOp, combine_into, finish_mean, needs_wide_accumula
 
 
 def chunk_ranges(lo: int, hi: int, chunk_elems: int) -> List[Tuple[int, int]]:
-    """[lo, hi) in pieces of at most chunk_elems; an empty range still yields one empty piece."""
+    """[lo, hi) in pieces of at most chunk_elems; an empty range still yields one empty piece.
+
+    Args:
+      lo: first element.
+      hi: one past the last element.
+      chunk_elems: the largest piece, in elements.
+
+    Returns:
+      ``(start, stop)`` pairs covering [lo, hi) in order.
+    """
     if hi <= lo:
         return [(lo, lo)]
     return [(a, min(a + chunk_elems, hi)) for a in range(lo, hi, chunk_elems)]
 
 
 def even_bounds(n: int, parts: int) -> List[int]:
+    """Bounds that cut ``n`` elements into ``parts`` segments whose sizes differ by at most one.
+
+    Args:
+      n: number of elements.
+      parts: number of segments (the ring's size).
+
+    Returns:
+      ``parts + 1`` bounds, from 0 to ``n``.
+    """
     return [i * n // parts for i in range(parts + 1)]
 
 
 def array_split_bounds(rows: int, parts: int) -> List[int]:
-    """Row bounds with np.array_split's rule: the first rows % parts pieces get one extra row."""
+    """Row bounds with np.array_split's rule: the first rows % parts pieces get one extra row.
+
+    Args:
+      rows: number of rows.
+      parts: number of pieces.
+
+    Returns:
+      ``parts + 1`` row bounds, from 0 to ``rows``.
+    """
     base, extra = divmod(rows, parts)
     bounds = [0]
     for i in range(parts):
@@ -103,6 +129,18 @@ def allreduce_by_allgather(link, flat: np.ndarray, op: ReduceOp, chunk_elems: in
     """Small-message all-reduce: ring all-gather of every rank's whole buffer, then a local reduction
     in rank order (identical bits on every rank). W - 1 ring steps instead of 2 (W - 1): half the
     latency for small buffers, at the price of moving (W - 1) x the buffer instead of 2 (W - 1) / W x.
+
+    Args:
+      link: the ring link (``rank``, ``size``, ``send``, ``recv``).
+      flat: this rank's 1-D contiguous buffer; overwritten with the result.
+      op: the reduction.
+      chunk_elems: pipelining unit, in elements.
+
+    Returns:
+      ``flat``, holding the reduction.
+
+    Raises:
+      CollectiveMismatchError: a neighbour sent a block of another size.
     """
     W, r = link.size, link.rank
     n = flat.size
@@ -128,6 +166,19 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
     float16 / bfloat16 sums, means and products travel as float32 partials through the
     reduce-scatter half and are rounded once, so the result is the float32 reduction rounded
     (as if accumulated in float32); the all-gather half moves the rounded values.
+
+    Args:
+      link: the ring link (``rank``, ``size``, ``send``, ``recv``).
+      flat: this rank's 1-D contiguous buffer; overwritten with the result.
+      op: the reduction.
+      chunk_elems: pipelining unit, in elements.
+      small_bytes: threshold of the all-gather path (0: never).
+
+    Returns:
+      ``flat``, holding the reduction over every rank.
+
+    Raises:
+      CollectiveMismatchError: a neighbour sent a chunk of another size (another shape or dtype).
     """
     W, r = link.size, link.rank
     if W == 1:
@@ -156,7 +207,22 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
 
 def reduce_scatter(link, flat: np.ndarray, op: ReduceOp, rows: int, row_elems: int,
                    chunk_elems: int) -> Tuple[int, int]:
-    """In-place ring reduce-scatter along rows; returns rank's element range [lo, hi) of ``flat``."""
+    """In-place ring reduce-scatter along rows; returns rank's element range [lo, hi) of ``flat``.
+
+    Args:
+      link: the ring link.
+      flat: this rank's 1-D contiguous buffer (rows x row_elems elements); [lo, hi) ends up reduced.
+      op: the reduction.
+      rows: number of rows (the first dimension), split with np.array_split's rule.
+      row_elems: elements per row.
+      chunk_elems: pipelining unit, in elements.
+
+    Returns:
+      ``(lo, hi)``: the element range of ``flat`` that holds this rank's reduced piece.
+
+    Raises:
+      CollectiveMismatchError: a neighbour sent a chunk of another size.
+    """
     W, r = link.size, link.rank
     bounds = [b * row_elems for b in array_split_bounds(rows, W)]
     lo, hi = bounds[r], bounds[r + 1]
@@ -172,7 +238,20 @@ def reduce_scatter(link, flat: np.ndarray, op: ReduceOp, rows: int, row_elems: i
 
 
 def allgather(link, out: np.ndarray, elem_counts: Sequence[int], chunk_elems: int) -> np.ndarray:
-    """Ring all-gather of variable-size blocks: ``out`` already holds this rank's block at its offset."""
+    """Ring all-gather of variable-size blocks: ``out`` already holds this rank's block at its offset.
+
+    Args:
+      link: the ring link.
+      out: 1-D buffer of ``sum(elem_counts)`` elements, this rank's block already in place.
+      elem_counts: the size of every rank's block, in rank order.
+      chunk_elems: pipelining unit, in elements.
+
+    Returns:
+      ``out``, holding every block.
+
+    Raises:
+      CollectiveMismatchError: a neighbour sent a chunk of another size.
+    """
     W = link.size
     if W > 1:
         offs = [0]
@@ -189,6 +268,18 @@ def broadcast(link, flat: np.ndarray, root: int, chunk_elems: int) -> np.ndarray
     The rank left of the root closes the ring with an empty acknowledgement, so the root also
     receives one message (its signature is checked like everybody's) and returns only once the
     data has reached every rank.
+
+    Args:
+      link: the ring link.
+      flat: 1-D buffer: the data on the root, overwritten with it elsewhere.
+      root: the rank whose data everybody gets.
+      chunk_elems: pipelining unit, in elements.
+
+    Returns:
+      ``flat``, holding root's data.
+
+    Raises:
+      CollectiveMismatchError: a neighbour sent a chunk of another size.
     """
     W, r = link.size, link.rank
     if W == 1:

@@ -30,6 +30,17 @@ DEFAULT_SLURM_BASE_PORT = 29400
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
+    """Who this worker is in the job, and where the coordinator is.
+
+    Attributes:
+      rank: this worker's rank, 0..world_size-1.
+      world_size: number of workers.
+      local_rank: index among the workers on this host; None when no source gives it (the
+        rendezvous then derives it from the hostnames).
+      coordinator: rank 0's "host:port"; None only for a world of one.
+      source: which source supplied rank and size ("TFCS_*", "TF_CONFIG", "Slurm", ...).
+    """
+
     rank: int
     world_size: int
     local_rank: Optional[int]  # None: derived from the hostnames during the rendezvous
@@ -37,6 +48,15 @@ class ClusterSpec:
     source: str                 # which source supplied rank / size, for logs and errors
 
     def validate(self) -> "ClusterSpec":
+        """Check the fields against each other.
+
+        Returns:
+          ``self``.
+
+        Raises:
+          ConfigurationError: world size < 1, rank out of range, negative local rank, or no valid
+            coordinator address for a job of more than one worker.
+        """
         if self.world_size < 1:
             raise ConfigurationError(f"world size is {self.world_size} (from {self.source})",
                                      fix="world size must be >= 1")
@@ -57,7 +77,17 @@ class ClusterSpec:
 
 
 def split_host_port(address: str):
-    """'host:port' / '[v6]:port' -> (host, port) with a clear error."""
+    """'host:port' / '[v6]:port' -> (host, port) with a clear error.
+
+    Args:
+      address: "host:port" or "[v6 address]:port".
+
+    Returns:
+      ``(host, port)``.
+
+    Raises:
+      ConfigurationError: not host:port, or the port is outside 1..65535.
+    """
     m = re.fullmatch(r"\[?([^\[\]]+?)\]?:(\d+)", str(address).strip())
     if not m:
         raise ConfigurationError(f"coordinator address {address!r} is not host:port",
@@ -69,7 +99,17 @@ def split_host_port(address: str):
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm nodelist: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
+    """First host of a Slurm nodelist: 'gpu[03-05,9],cpu1' -> 'gpu03'.
+
+    Args:
+      nodelist: ``SLURM_JOB_NODELIST``.
+
+    Returns:
+      The first host name.
+
+    Raises:
+      ConfigurationError: the list cannot be parsed.
+    """
     nodelist = nodelist.strip()
     m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
     if not m:
@@ -168,6 +208,19 @@ def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None
                     local_rank: Optional[int] = None, coordinator: Optional[str] = None,
                     environ: Optional[Mapping[str, str]] = None) -> ClusterSpec:
     """Combine explicit arguments with the first environment source that defines a rank.
+
+    Sources, first match wins: ``TFCS_*``, ``TF_CONFIG``, Slurm, Open MPI, torchrun-style variables;
+    none means a single process. ``TFCS_COORDINATOR`` overrides the coordinator of any source.
+
+    Args:
+      rank: overrides the environment's rank (give ``world_size`` too).
+      world_size: overrides the environment's world size.
+      local_rank: overrides the environment's local rank.
+      coordinator: overrides the coordinator address ("host:port").
+      environ: the variables to read (default: ``os.environ``); lets tests simulate an engine.
+
+    Returns:
+      The validated ``ClusterSpec``.
 
     Raises:
       ConfigurationError: a variable cannot be parsed, or the result is inconsistent.

@@ -67,7 +67,19 @@ class _Store:
 
 
 class CoordinatorServer:
-    """Rank 0's coordinator service. ``address`` is where it listens ('host:port')."""
+    """Rank 0's coordinator service. ``address`` is where it listens ('host:port').
+
+    Args:
+      bind: "host:port" to listen on.
+      world_size: number of workers (sizes the server's thread pool; barriers check it).
+      token: the job token every call must carry (None: no check).
+
+    Attributes:
+      port: the port it listens on.
+
+    Raises:
+      RendezvousError: the address cannot be bound.
+    """
 
     def __init__(self, bind: str, world_size: int, token: Optional[str] = None, tls=None):
         self._store = _Store()
@@ -115,6 +127,11 @@ class CoordinatorServer:
         return w
 
     def stop(self, grace: float = 0.2) -> None:
+        """Stop serving; calls in flight get ``grace`` seconds to finish.
+
+        Args:
+          grace: seconds.
+        """
         self._server.stop(grace).wait(grace + 1.0)
 
     def _set(self, r, context):
@@ -143,7 +160,13 @@ class CoordinatorServer:
 
 
 class CoordinatorClient:
-    """Client of the coordinator. Every method takes a deadline and raises RendezvousError past it."""
+    """Client of the coordinator. Every method takes a deadline and raises RendezvousError past it.
+
+    Args:
+      address: the coordinator's "host:port".
+      rank: this worker's rank (for barriers and messages).
+      token: the job token to send with every call.
+    """
 
     def __init__(self, address: str, rank: int, token: Optional[str] = None, tls=None):
         self.address = address
@@ -153,6 +176,14 @@ class CoordinatorClient:
         self._calls = {m: grpc_util.unary(self._channel, SERVICE, m) for m in ("Set", "Get", "Add", "Barrier")}
 
     def wait_ready(self, timeout: float) -> None:
+        """Wait until the coordinator answers.
+
+        Args:
+          timeout: seconds.
+
+        Raises:
+          RendezvousError: it could not be reached in time.
+        """
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -180,12 +211,47 @@ class CoordinatorClient:
         return json.loads(raw)
 
     def set(self, key: str, value: str, timeout: float = 30.0) -> None:
+        """Store ``value`` under ``key`` (waking up whoever waits for it).
+
+        Args:
+          key: the key.
+          value: the value.
+          timeout: seconds for the call.
+
+        Raises:
+          RendezvousError: the call failed, or the job token was rejected.
+        """
         self._call("Set", {"key": key, "value": value}, timeout)
 
     def add(self, key: str, amount: int = 1, timeout: float = 30.0) -> int:
+        """Atomically add ``amount`` to the integer under ``key`` (0 if absent).
+
+        Args:
+          key: the key.
+          amount: what to add.
+          timeout: seconds for the call.
+
+        Returns:
+          The new value.
+
+        Raises:
+          RendezvousError: the call failed, or the job token was rejected.
+        """
         return int(self._call("Add", {"key": key, "amount": amount}, timeout)["value"])
 
     def get(self, key: str, timeout: float) -> str:
+        """The value under ``key``, waiting up to ``timeout`` seconds for it to be set.
+
+        Args:
+          key: the key.
+          timeout: seconds to wait.
+
+        Returns:
+          The value.
+
+        Raises:
+          RendezvousError: the key did not appear in time, or a call failed.
+        """
         end = time.monotonic() + timeout
         while True:
             left = end - time.monotonic()
@@ -200,6 +266,16 @@ class CoordinatorClient:
                                           "rank's log and that all ranks use the same world size")
 
     def barrier(self, name: str, world: int, timeout: float) -> None:
+        """Return once ``world`` ranks have entered the barrier ``name``.
+
+        Args:
+          name: the barrier's name (each name is one barrier).
+          world: how many ranks must arrive.
+          timeout: seconds to wait.
+
+        Raises:
+          RendezvousError: not every rank arrived in time (the message names the missing ones).
+        """
         end = time.monotonic() + timeout
         arrived = []
         while True:
@@ -218,4 +294,5 @@ class CoordinatorClient:
                                       fix="those ranks were not started, crashed, or are stuck; see their logs")
 
     def close(self) -> None:
+        """Close the channel to the coordinator."""
         self._channel.close()

@@ -20,6 +20,14 @@ from .coordinator import CoordinatorClient, CoordinatorServer
 
 
 def is_loopback(host: str) -> bool:
+    """True for "localhost" and loopback addresses (127.0.0.0/8, ::1).
+
+    Args:
+      host: a host name or address.
+
+    Returns:
+      Whether it is this machine's loopback.
+    """
     if host in ("localhost", "localhost.localdomain"):
         return True
     try:
@@ -29,6 +37,11 @@ def is_loopback(host: str) -> bool:
 
 
 def boot_id() -> str:
+    """This machine's boot id (with the hostname, tells which workers share a host).
+
+    Returns:
+      ``/proc/sys/kernel/random/boot_id``, or "unknown" where there is none.
+    """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -37,6 +50,14 @@ def boot_id() -> str:
 
 
 def default_bind_host(coordinator_host: str) -> str:
+    """Where servers listen by default: loopback for a loopback coordinator, else every interface.
+
+    Args:
+      coordinator_host: the coordinator's host.
+
+    Returns:
+      "127.0.0.1" or "0.0.0.0".
+    """
     return "127.0.0.1" if is_loopback(coordinator_host) else "0.0.0.0"
 
 
@@ -44,6 +65,13 @@ def default_advertise_host(coordinator_host: str) -> str:
     """The address peers should use for this worker: the interface that routes to the coordinator.
 
     A UDP ``connect`` only consults the routing table; it sends no packet.
+
+    Args:
+      coordinator_host: the coordinator's host.
+
+    Returns:
+      "127.0.0.1" for a loopback coordinator, else this host's address on the route to it (the
+      hostname if that cannot be found).
     """
     if is_loopback(coordinator_host):
         return "127.0.0.1"
@@ -59,6 +87,8 @@ def default_advertise_host(coordinator_host: str) -> str:
 
 @dataclasses.dataclass
 class WorkerInfo:
+    """What each worker publishes at the rendezvous: its rank, hostname, boot id and pid."""
+
     rank: int
     hostname: str
     boot_id: str
@@ -71,6 +101,8 @@ class WorkerInfo:
 
 @dataclasses.dataclass
 class Rendezvous:
+    """The result of ``join``: the coordinator store, rank 0's server, every worker, local rank and size."""
+
     store: Optional[CoordinatorClient]
     server: Optional[CoordinatorServer]
     workers: List[WorkerInfo]
@@ -78,6 +110,7 @@ class Rendezvous:
     local_size: int
 
     def close(self) -> None:
+        """Close the client, and stop the coordinator on rank 0."""
         if self.store is not None:
             self.store.close()
         if self.server is not None:
@@ -86,6 +119,18 @@ class Rendezvous:
 
 def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Optional[str], tls=None) -> Rendezvous:
     """Meet every other worker of ``spec``; returns the store and who is where.
+
+    A collective call: every worker of the job calls it. Rank 0 starts the coordinator first.
+
+    Args:
+      spec: this worker's rank, the world size and the coordinator address.
+      token: the job token (None: no check).
+      timeout: seconds to wait for the coordinator and for every worker.
+      bind_host: where rank 0's coordinator listens (None: loopback for a loopback coordinator,
+        else every interface).
+
+    Returns:
+      The ``Rendezvous``: store, server (rank 0 only), every worker's info, local rank and size.
 
     Raises:
       RendezvousError: the coordinator cannot be started or reached, or a worker is missing at the deadline.

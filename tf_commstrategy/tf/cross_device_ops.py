@@ -48,7 +48,11 @@ def _buckets(arrs: List[np.ndarray], bytes_per_pack: int) -> List[List[int]]:
 
 
 class CommCrossDeviceOps(cdo.CrossDeviceOps):
-    """Cross-device ops of ``CommStrategy``; holds no state beyond a reference to the strategy's extended."""
+    """Cross-device ops of ``CommStrategy``; holds no state beyond a reference to the strategy's extended.
+
+    Args:
+      extended: the strategy's ``CommExtended`` (topology, default backend and options).
+    """
 
     def __init__(self, extended):
         super().__init__()
@@ -67,9 +71,35 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
 
     # -- reduce ------------------------------------------------------------------------------------
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        """One value: ``batch_reduce_implementation`` with a batch of one.
+
+        Args:
+          reduce_op: ``tf.distribute.ReduceOp.SUM`` or ``MEAN``.
+          per_replica_value: the value to reduce.
+          destinations: where the result goes.
+          options: this call's options, or None.
+
+        Returns:
+          The reduced value, mirrored on the destinations.
+        """
         return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options, local_only=False):
+        """Reduce many values across every replica of every worker, in one fused collective.
+
+        Args:
+          reduce_op: ``tf.distribute.ReduceOp.SUM`` or ``MEAN``.
+          value_destination_pairs: ``(PerReplica or tensor, destinations)`` pairs.
+          options: this call's ``CommunicationOptions`` / ``CommOptions``, or None.
+          local_only: reduce over this worker's replicas only (no collective).
+
+        Returns:
+          One ``Mirrored`` value (or ``IndexedSlices`` per device) for each pair, in order.
+
+        Raises:
+          CollectiveError: a subclass, from the collective (raised inside the py_function).
+          UnsupportedOperationError: called inside an XLA-compiled function.
+        """
         merged = self._options(options)
         backend = self._backend_name(options)
         n_global = self._ext._num_replicas_in_sync if not local_only else len(self._ext.worker_devices)
@@ -180,6 +210,15 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         return self._to_destinations(local, destinations)
 
     def broadcast_implementation(self, tensor, destinations):
+        """Copy ``tensor`` to the destination devices of this worker (no collective).
+
+        Args:
+          tensor: the value (already equal on every worker).
+          destinations: this worker's destination devices.
+
+        Returns:
+          A ``Mirrored`` value.
+        """
         # Within a worker only: values are already identical across workers (variables are
         # initialized from rank 0 and updated with all-reduced gradients).
         return cdo.simple_broadcast(tensor, destinations, always_mirrored=True,

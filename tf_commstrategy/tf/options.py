@@ -30,6 +30,9 @@ class CommOptions(collective_util.Options):
       timeout_seconds: the collective deadline for calls made with these options.
       implementation: TF's ``CommunicationImplementation`` (RING -> grpc, NCCL -> nccl).
       transport: data path under the ring ("grpc"); reserved for the fast-transports work.
+
+    Raises:
+      ConfigurationError: ``backend`` is not a known backend name.
     """
 
     def __init__(self, backend: Optional[str] = None, bytes_per_pack: int = 0,
@@ -41,6 +44,14 @@ class CommOptions(collective_util.Options):
         self.transport = transport
 
     def merge(self, options):
+        """These options overridden by the values ``options`` sets (TF's ``Options.merge``, plus backend).
+
+        Args:
+          options: a ``CommunicationOptions``, a ``CommOptions`` or None.
+
+        Returns:
+          A new ``CommOptions``; ``self`` is not changed.
+        """
         merged = super().merge(options)
         if not isinstance(merged, CommOptions):  # pragma: no cover - super deep-copies self
             merged = CommOptions(self.backend, merged.bytes_per_pack, merged.timeout_seconds,
@@ -58,7 +69,14 @@ class CommOptions(collective_util.Options):
 
 
 def backend_of(options) -> Optional[str]:
-    """The backend an options object asks for, or None when it leaves the choice to the strategy."""
+    """The backend an options object asks for, or None when it leaves the choice to the strategy.
+
+    Args:
+      options: a ``CommOptions``, a TF ``CommunicationOptions``, or None.
+
+    Returns:
+      ``CommOptions.backend`` when set, else "grpc" for RING, "nccl" for NCCL, None for AUTO / None.
+    """
     if options is None:
         return None
     b = getattr(options, "backend", None)
@@ -74,11 +92,28 @@ def backend_of(options) -> Optional[str]:
 
 def choose_backend(per_call, strategy_backend: Optional[str], strategy_options) -> Optional[str]:
     """Backend for one call: per-call options > strategy's backend > strategy's options > None
-    (None: the process group's default, i.e. ``TFCS_BACKEND`` or "auto")."""
+    (None: the process group's default, i.e. ``TFCS_BACKEND`` or "auto").
+
+    Args:
+      per_call: the options passed to this call, or None.
+      strategy_backend: ``CommStrategy(backend=...)``, or None.
+      strategy_options: ``CommStrategy(communication_options=...)``, or None.
+
+    Returns:
+      A backend name, or None for the process group's default.
+    """
     return backend_of(per_call) or strategy_backend or backend_of(strategy_options)
 
 
 def merge(default: Optional[collective_util.Options], per_call) -> collective_util.Options:
-    """Timeout and pack size: per-call values override the strategy's (TF's ``Options.merge``)."""
+    """Timeout and pack size: per-call values override the strategy's (TF's ``Options.merge``).
+
+    Args:
+      default: the strategy's options, or None.
+      per_call: this call's options, or None.
+
+    Returns:
+      The options in force for the call (a new object).
+    """
     base = copy.deepcopy(default) if default is not None else collective_util.Options()
     return base.merge(per_call) if per_call is not None else base

@@ -66,11 +66,21 @@ class CommStrategy(tf.distribute.MirroredStrategy):
 
     @property
     def process_group(self):
+        """The process group this strategy's collectives run in (the one ``tfcs.init`` made)."""
         return self.extended._group
 
 
 class CommExtended(mirrored_strategy.MirroredExtended):
-    """The strategy's implementation; see the module docstring for what it changes."""
+    """The strategy's implementation (``strategy.extended``); see the module docstring for what it changes.
+
+    Args:
+      container: the ``CommStrategy``.
+      devices: this worker's devices (None: all local GPUs, else the CPU).
+      group: the process group.
+      backend: the strategy's default backend name, or None.
+      communication_options: the strategy's default options, or None.
+      sync_metrics: whether metric variables are reduced across workers when read.
+    """
 
     def __init__(self, container, devices, group, backend, communication_options, sync_metrics):
         self._group = group

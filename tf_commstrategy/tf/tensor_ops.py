@@ -28,6 +28,14 @@ HOST = "/device:CPU:0"
 
 
 def check_not_xla(what: str) -> None:
+    """Refuse to build a collective inside an XLA-compiled function.
+
+    Args:
+      what: the op's name, for the message.
+
+    Raises:
+      UnsupportedOperationError: called while tracing a ``jit_compile=True`` function.
+    """
     if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
         raise UnsupportedOperationError(
             f"{what} cannot run inside an XLA-compiled function (jit_compile=True): tf_commstrategy's "
@@ -78,7 +86,23 @@ def unwrap_errors():
 
 def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Sequence[tf.Tensor],
               out_dtypes: Sequence[tf.DType], out_shapes: Sequence, name: str = "tfcs_collective"):
-    """Run ``fn`` on the tensors' numpy values, eagerly or as one stateful py_function on the host."""
+    """Run ``fn`` on the tensors' numpy values, eagerly or as one stateful py_function on the host.
+
+    Args:
+      fn: ``fn(list of numpy arrays) -> list of numpy arrays``; runs the collectives.
+      tensors: its inputs.
+      out_dtypes: the dtypes of its outputs.
+      out_shapes: the static shapes to set on the outputs (None dimensions allowed).
+      name: the op's name in the graph.
+
+    Returns:
+      A list of tensors, one per output.
+
+    Raises:
+      UnsupportedOperationError: inside an XLA-compiled function.
+      TfcsError: a subclass, from ``fn`` (eagerly; inside a ``tf.function`` TF wraps it, see
+        ``unwrap_errors``).
+    """
     check_not_xla(name)
     if tf.executing_eagerly():
         outs = fn([t.numpy() for t in tensors])
@@ -109,7 +133,21 @@ def _tensor(x):
 
 
 def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
-    """``tfcs.allreduce`` for a tf.Tensor (eager or inside tf.function); returns a tensor."""
+    """``tfcs.allreduce`` for a tf.Tensor (eager or inside tf.function); returns a tensor.
+
+    Args:
+      x: a tensor (or anything ``tf.convert_to_tensor`` accepts).
+      op: "sum" | "mean" | "min" | "max" | "prod" (or ``tf.distribute.ReduceOp``).
+      backend: "grpc" | "nccl" | "auto" for this call only.
+      timeout: deadline in seconds for this call.
+
+    Returns:
+      The reduced tensor, same shape and dtype.
+
+    Raises:
+      UnsupportedOperationError: a dtype/op combination is not supported, or inside XLA.
+      CollectiveError: a subclass, from the collective.
+    """
     op = ReduceOp.parse(op)
     t = _tensor(x)
     check_dtype(t.dtype.as_numpy_dtype, op)
@@ -119,6 +157,21 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
 
 
 def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """``tfcs.grouped_allreduce`` for tensors: one fused collective per dtype.
+
+    Args:
+      xs: tensors.
+      op: the reduction.
+      backend: "grpc" | "nccl" | "auto" for this call only.
+      timeout: deadline in seconds for each fused transfer.
+
+    Returns:
+      The reduced tensors, in order.
+
+    Raises:
+      UnsupportedOperationError: a dtype/op combination is not supported, or inside XLA.
+      CollectiveError: a subclass, from the collective.
+    """
     op = ReduceOp.parse(op)
     ts = [_tensor(x) for x in xs]
     for t in ts:
@@ -128,6 +181,22 @@ def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, time
 
 
 def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """``tfcs.broadcast`` for a tensor.
+
+    Args:
+      x: a tensor; its value matters on the root only.
+      root_rank: the rank whose value everybody gets.
+      backend: "grpc" | "nccl" | "auto" for this call only.
+      timeout: deadline in seconds for this call.
+
+    Returns:
+      Root's tensor.
+
+    Raises:
+      ConfigurationError: ``root_rank`` is not a rank of the job.
+      UnsupportedOperationError: the dtype is not supported, or inside XLA.
+      CollectiveError: a subclass, from the collective.
+    """
     n = default_group().size
     if not 0 <= int(root_rank) < n:
         raise ConfigurationError(f"root_rank={root_rank} is not a rank of this job of {n}",
@@ -140,6 +209,20 @@ def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: 
 
 
 def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """``tfcs.allgather`` for a tensor: every rank's tensor concatenated along axis 0.
+
+    Args:
+      x: a tensor; first dimensions may differ between ranks.
+      backend: "grpc" | "nccl" | "auto" for this call only.
+      timeout: deadline in seconds for this call.
+
+    Returns:
+      The concatenation (first dimension unknown inside a ``tf.function``).
+
+    Raises:
+      UnsupportedOperationError: a dtype/op combination is not supported, or inside XLA.
+      CollectiveError: a subclass, from the collective.
+    """
     t = _tensor(x)
     check_dtype(t.dtype.as_numpy_dtype)
     shape = tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape([None])
@@ -149,6 +232,21 @@ def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = No
 
 
 def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """``tfcs.reduce_scatter`` for a tensor: this rank's rows of the reduction.
+
+    Args:
+      x: a tensor, at least 1-D, same shape on every rank.
+      op: the reduction.
+      backend: "grpc" | "nccl" | "auto" for this call only.
+      timeout: deadline in seconds for this call.
+
+    Returns:
+      This rank's rows (``np.array_split`` rule) of the reduced tensor.
+
+    Raises:
+      UnsupportedOperationError: a dtype/op combination is not supported, or inside XLA.
+      CollectiveError: a subclass, from the collective.
+    """
     op = ReduceOp.parse(op)
     t = _tensor(x)
     check_dtype(t.dtype.as_numpy_dtype, op)
