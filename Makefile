@@ -3,8 +3,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup test test-slow demo bench clean
+.PHONY: setup test test-slow demo bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,5 +30,14 @@ bench: $(STAMP)
 	$(BIN)/tfcs-bench -np 2 --op allreduce --sizes 8,4K,256K,4M,64M,256M --compare tf-ring,gloo \
 		--json bench-results/allreduce.json --plot docs/img/allreduce.png
 
+# The documentation site (MkDocs + Material, API reference from the docstrings) into site/.
+# --strict: a broken link, a page missing from the nav or an unresolved reference fails the build.
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site
