@@ -163,15 +163,20 @@ def test_no_token_wrong_token_and_fuzzed_requests_are_rejected_while_a_job_runs(
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(5)
             s.connect("\0" + a["sock"][len("unix:"):])
-            if i % 2:
+            nonce = s.recv(socket_transport.NONCE_BYTES)
+            assert len(nonce) == socket_transport.NONCE_BYTES  # a fresh challenge every time
+            if i % 3 == 2:  # a hello recorded from an earlier connection (replay) is refused too
+                s.sendall(socket_transport.HELLO.pack(socket_transport.HELLO_MAGIC, 0,
+                                                       socket_transport._mac(TOKEN, 0, b"x" * len(nonce))))
+            elif i % 2:
                 s.sendall(bytes(rng.getrandbits(8) for _ in range(socket_transport.HELLO.size)))
             else:
                 s.sendall(socket_transport.HELLO.pack(socket_transport.HELLO_MAGIC, 0,
-                                                       socket_transport._mac("wrong", 0)))
-            s.sendall(frame)
+                                                       socket_transport._mac("wrong", 0, nonce)))
             try:
-                closed += s.recv(1) == b""
-            except (ConnectionResetError, socket.timeout):
+                s.sendall(frame)
+                closed += s.recv(1) == b""  # the server hung up without a byte
+            except (BrokenPipeError, ConnectionResetError):
                 closed += 1
             s.close()
     assert closed == N_PER_CASE * sum(1 for a in addrs if a["sock"])

@@ -126,9 +126,11 @@ class GrpcRingBackend(Backend):
         self._addresses = [g.store.get(f"grpc/addr/{i}", g.rendezvous_timeout) for i in range(self.size)]
         if outbound in ("unix", "tcp"):
             addr = g.store.get(f"sock/addr/{right}", g.rendezvous_timeout)
-            self._right_stream = socket_transport.SocketStream(addr, g.token, right, self.rank, g.rendezvous_timeout)
+            self._right_stream = socket_transport.SocketStream(addr, g.token, right, self.rank, g.rendezvous_timeout,
+                                                               describe=self.describe)
         else:
-            self._right_stream = transport.PeerStream(self._addresses[right], g.token, right, self.rank, tls=g.tls)
+            self._right_stream = transport.PeerStream(self._addresses[right], g.token, right, self.rank, tls=g.tls,
+                                                      describe=self.describe)
         self.transport = outbound
         log.info("tf_commstrategy rank %d: ring data path to rank %d: %s", self.rank, right, outbound)
 

@@ -7,8 +7,10 @@ neighbour moves here, framed exactly as on the gRPC path (``wire``), into the sa
   per stream, so the ring's "send a segment, then receive" never blocks on a full socket buffer;
 * receive: one thread per incoming connection reads the header, then ``recv_into`` a fresh buffer that
   the mailbox hands to the ring without another copy;
-* a connection starts with a hello (magic, rank, token HMAC); a wrong token or a malformed frame
-  closes it, logged once; an EOF without the BYE frame reports the peer as lost.
+* a connection starts with a challenge: the server sends a fresh random nonce, the client answers
+  with a hello (magic, rank, HMAC-SHA256(token, magic + rank + nonce)), so the token never crosses
+  the socket and a recorded hello cannot be replayed; a wrong answer or a malformed frame closes
+  the connection, logged once; an EOF without the BYE frame reports the peer as lost.
 
 Unix sockets live in the abstract namespace (no file to clean up after a crash) under an
 unguessable name; the token check keeps other local users out.
@@ -35,14 +37,17 @@ from . import wire
 
 log = logging.getLogger("tf_commstrategy")
 
-HELLO = struct.Struct("<8sI32s")  # magic, sender rank, HMAC-SHA256(token, magic + rank)
+HELLO = struct.Struct("<8sI32s")  # magic, sender rank, HMAC-SHA256(token, magic + rank + nonce)
 HELLO_MAGIC = b"TFCSSOCK"
+NONCE_BYTES = 16
 _CLOSE = object()
+HELLO_TIMEOUT_S = 30.0
+MAX_FRAME_BYTES = 1 << 30  # one ring chunk (TFCS_CHUNK_BYTES, 4 MiB by default) is far smaller
 
 
-def _mac(token: Optional[str], rank: int) -> bytes:
+def _mac(token: Optional[str], rank: int, nonce: bytes) -> bytes:
     key = (token or "").encode()
-    return hmac.new(key, HELLO_MAGIC + struct.pack("<I", rank), hashlib.sha256).digest()
+    return hmac.new(key, HELLO_MAGIC + struct.pack("<I", rank) + nonce, hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> Optional[bytearray]:
@@ -118,12 +123,16 @@ class SocketServer:
         _tune(conn)
         sender = None
         try:
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            conn.settimeout(HELLO_TIMEOUT_S)  # a silent client is dropped, not waited for
+            conn.sendall(nonce)
             hello = _recv_exact(conn, HELLO.size)
             if hello is None:
                 return
+            conn.settimeout(None)
             magic, sender, mac = HELLO.unpack(bytes(hello))
-            if magic != HELLO_MAGIC or sender >= self.world_size or not hmac.compare_digest(mac, _mac(self._token,
-                                                                                                      sender)):
+            if magic != HELLO_MAGIC or sender >= self.world_size or not hmac.compare_digest(
+                    mac, _mac(self._token, sender, nonce)):
                 self._log_bad("bad hello or job token")
                 sender = None
                 return
@@ -147,6 +156,10 @@ class SocketServer:
                     break
                 sig = bytes(sig_and_len[:sig_len])
                 (nbytes,) = struct.unpack("<Q", sig_and_len[sig_len:])
+                if nbytes > MAX_FRAME_BYTES:
+                    self._log_bad(f"frame of {nbytes} bytes (limit {MAX_FRAME_BYTES})")
+                    sender = None
+                    break
                 payload = np.empty(nbytes, dtype=np.uint8)
                 view = memoryview(payload)
                 got = 0
@@ -209,10 +222,19 @@ def _connect(address: str, timeout: float) -> socket.socket:
 class SocketStream:
     """Frames to one peer over a raw socket, sent by a background thread (same interface as PeerStream)."""
 
-    def __init__(self, address: str, token: Optional[str], peer_rank: int, my_rank: int, timeout: float):
+    def __init__(self, address: str, token: Optional[str], peer_rank: int, my_rank: int, timeout: float,
+                 describe=None):
         self.address, self.peer_rank, self.my_rank = address, peer_rank, my_rank
+        self._who = describe(peer_rank) if describe is not None else address
         self._sock = _connect(address, timeout)
-        self._sock.sendall(HELLO.pack(HELLO_MAGIC, my_rank, _mac(token, my_rank)))
+        self._sock.settimeout(timeout)
+        nonce = _recv_exact(self._sock, NONCE_BYTES)
+        if nonce is None:
+            raise RendezvousError(f"the data server of rank {peer_rank} at {address} closed the connection "
+                                  f"before its challenge", rank=my_rank, address=address,
+                                  fix=f"rank {peer_rank} probably died while starting; see its log")
+        self._sock.settimeout(None)
+        self._sock.sendall(HELLO.pack(HELLO_MAGIC, my_rank, _mac(token, my_rank, bytes(nonce))))
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._error: Optional[BaseException] = None
         self._idle = threading.Event()
@@ -232,7 +254,7 @@ class SocketStream:
                     self._send_parts(item if isinstance(item, list) else _views(item))
             except OSError as e:
                 self._error = PeerLostError(
-                    f"the data connection to rank {self.peer_rank} at {self.address} broke ({e})",
+                    f"the data connection to rank {self.peer_rank} ({self._who}) broke ({e})",
                     rank=self.my_rank, peer_rank=self.peer_rank, peer_address=self.address,
                     fix=f"rank {self.peer_rank} probably died; see its log")
             with self._lock:
@@ -261,7 +283,7 @@ class SocketStream:
                     pass
                 except OSError as e:
                     self._error = PeerLostError(
-                        f"the data connection to rank {self.peer_rank} at {self.address} broke ({e})",
+                        f"the data connection to rank {self.peer_rank} ({self._who}) broke ({e})",
                         rank=self.my_rank, peer_rank=self.peer_rank, peer_address=self.address,
                         fix=f"rank {self.peer_rank} probably died; see its log")
                     raise self._error from None
@@ -285,7 +307,7 @@ class SocketStream:
                 break
         if not self._idle.is_set():
             raise CollectiveTimeoutError(
-                f"could not hand data to rank {self.peer_rank} at {self.address} before the deadline "
+                f"could not hand data to rank {self.peer_rank} ({self._who}) before the deadline "
                 f"({timeout:g} s left): it stopped reading (stalled or stuck)", rank=self.my_rank,
                 waiting_for=[self.peer_rank],
                 fix=f"rank {self.peer_rank} is stuck; see its log, or raise the deadline (TFCS_TIMEOUT)")

@@ -157,8 +157,9 @@ RANK_METADATA_KEY = "tfcs-rank"
 class PeerStream:
     """A persistent client stream to one peer's ``Data/Send``."""
 
-    def __init__(self, address: str, token: Optional[str], peer_rank: int, my_rank: int, tls=None):
+    def __init__(self, address: str, token: Optional[str], peer_rank: int, my_rank: int, tls=None, describe=None):
         self.address = address
+        self._who = describe(peer_rank) if describe is not None else address
         self.peer_rank = peer_rank
         self.my_rank = my_rank
         self._channel = grpc_util.open_channel(address, tls=tls)
@@ -185,7 +186,7 @@ class PeerStream:
             detail = f"{e.code()}: {e.details()}"
         except Exception as e:  # pragma: no cover
             detail = repr(e)
-        return PeerLostError(f"the data stream to rank {self.peer_rank} at {self.address} closed ({detail})",
+        return PeerLostError(f"the data stream to rank {self.peer_rank} ({self._who}) closed ({detail})",
                              rank=self.my_rank, peer_rank=self.peer_rank, peer_address=self.address,
                              fix=f"rank {self.peer_rank} probably died; see its log")
 
