@@ -73,9 +73,14 @@ class Checker:
         if not ok:
             self.mismatches += 1
             if len(self.first_mismatches) < 10:
-                self.first_mismatches.append(
-                    f"{what}: got {got.dtype}{got.shape} {got.ravel()[:4]} want {want.dtype}{want.shape} "
-                    f"{want.ravel()[:4]}")
+                detail = f"got {got.dtype}{got.shape}, want {want.dtype}{want.shape}"
+                if got.shape == want.shape:
+                    bad = np.flatnonzero(got.ravel() != want.ravel())
+                    if bad.size:
+                        i = int(bad[0])
+                        detail += (f"; {bad.size} of {want.size} elements differ, indices {i}..{int(bad[-1])}, "
+                                   f"first: got {got.ravel()[i]!r} want {want.ravel()[i]!r}")
+                self.first_mismatches.append(f"{what}: {detail}")
 
 
 def _dtype(name):
