@@ -49,3 +49,24 @@ def test_ten_thousand_small_and_fifty_large_collectives():
         assert stats["pending_messages"] == 0  # nothing left behind in the mailbox
         assert stats["seq"] >= 10_050
         assert rss49 - rss10 < 64, f"RSS grew from {rss10:.0f} to {rss49:.0f} MiB"
+
+
+def _means(rank, size, transport):
+    import tf_commstrategy as tfcs
+    tfcs.init(transport=transport, chunk_bytes=64 << 10)  # many chunks in flight per call
+    bad = []
+    n = 1 << 20  # 8 MiB of float64: several chunks, so sends are still leaving while the ring goes on
+    for i in range(60):
+        x = np.random.default_rng(100 * i + rank).standard_normal(n)
+        want = sum(np.random.default_rng(100 * i + r).standard_normal(n) for r in range(size)) / size
+        got = tfcs.allreduce(x, op="mean")
+        if not np.allclose(got, want, rtol=1e-12, atol=1e-12):
+            bad.append((i, int(np.sum(~np.isclose(got, want)))))
+    return bad
+
+
+def test_mean_of_large_buffers_is_right_every_time_on_every_transport():
+    # regression: the mean used to be divided in place while the last chunks were still being sent
+    for transport in ("unix", "tcp", "grpc"):
+        res = run_workers(_means, 2, transport, timeout=240)
+        assert res == [[], []], (transport, res)

@@ -198,10 +198,16 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
         flat[lo:hi] = acc[lo:hi]
         _allgather_steps(link, flat, chunks, step0=W - 1, send_first=True)
         return flat
+    if op is ReduceOp.MEAN:
+        # Divide this rank's own segment before it is sent: once a chunk is handed to the link it may
+        # still be leaving from this memory (zero-copy socket sends), so nothing sent is touched again.
+        _reduce_scatter_steps(link, flat, op, chunks, then_send_final=False)
+        lo, hi = bounds[r], bounds[r + 1]
+        finish_mean(flat[lo:hi], W)
+        _allgather_steps(link, flat, chunks, step0=W - 1, send_first=True)
+        return flat
     _reduce_scatter_steps(link, flat, op, chunks, then_send_final=True)
     _allgather_steps(link, flat, chunks, step0=W - 1, send_first=False)
-    if op is ReduceOp.MEAN:
-        finish_mean(flat, W)
     return flat
 
 
