@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup test test-slow demo bench docs clean
+.PHONY: setup test test-slow test-netns demo bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 # Slow and soak tests; CI runs them in a separate, time-bounded step.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m "slow and not gpu" tests
+
+# Multi-host tests: workers in network namespaces joined by veth pairs (needs root; skipped otherwise).
+test-netns: $(STAMP)
+	$(BIN)/python -m pytest -m "netns" tests/netns
 
 demo: $(STAMP)
 	$(BIN)/tfcs-run -np 2 $(BIN)/python examples/keras_mnist.py

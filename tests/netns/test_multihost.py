@@ -259,10 +259,6 @@ def test_link_down_is_detected_by_survivors_within_15s(make_hosts, tmp_path, pha
 
 # -- hosts that share a hostname but not a network ----------------------------------------------------------
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(reason="a host is identified by (hostname, boot id) only, not by its network namespace: ranks "
-                          "in different network namespaces with one hostname pick Unix sockets, whose abstract "
-                          "names exist per network namespace, and init fails with ConnectionRefusedError",
-                   strict=False)
 def test_same_hostname_different_network_namespaces_uses_grpc(make_hosts, tmp_path):
     hosts = make_hosts(2, own_hostnames=False)
     out = str(tmp_path)

@@ -29,6 +29,13 @@ class _Store:
         self._cv = threading.Condition()
         self._kv: Dict[str, str] = {}
         self._barriers: Dict[str, set] = {}
+        self._closed = False
+
+    def close(self) -> None:
+        """Wake every blocked get/barrier (the server is stopping: its handler threads must not linger)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
     def set(self, key: str, value: str) -> None:
         with self._cv:
@@ -40,7 +47,7 @@ class _Store:
         with self._cv:
             while key not in self._kv:
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._closed:
                     return None
                 self._cv.wait(left)
             return self._kv[key]
@@ -60,7 +67,7 @@ class _Store:
             self._cv.notify_all()
             while len(arrived) < world:
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._closed:
                     return False, sorted(arrived)
                 self._cv.wait(left)
             return True, sorted(arrived)
@@ -132,6 +139,7 @@ class CoordinatorServer:
         Args:
           grace: seconds.
         """
+        self._store.close()  # blocked gets/barriers return now, so no handler thread outlives the server
         self._server.stop(grace).wait(grace + 1.0)
 
     def _set(self, r, context):

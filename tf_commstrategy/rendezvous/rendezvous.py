@@ -87,16 +87,33 @@ def default_advertise_host(coordinator_host: str) -> str:
 
 @dataclasses.dataclass
 class WorkerInfo:
-    """What each worker publishes at the rendezvous: its rank, hostname, boot id and pid."""
+    """What each worker publishes at the rendezvous: its rank, hostname, boot id, pid, and the
+    network and mount namespaces it runs in (Linux; empty elsewhere)."""
 
     rank: int
     hostname: str
     boot_id: str
     pid: int
+    netns: str = ""
+    mntns: str = ""
 
     @property
     def host_key(self):
+        """Same machine (local rank and local size count these)."""
         return (self.hostname, self.boot_id)
+
+    @property
+    def local_link_key(self):
+        """Same machine AND same network namespace: Unix abstract sockets reach each other only then."""
+        return (self.hostname, self.boot_id, self.netns)
+
+
+def namespace_id(kind: str) -> str:
+    """The inode of /proc/self/ns/<kind> ("net", "mnt"), or "" where there is none."""
+    try:
+        return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
+    except OSError:
+        return ""
 
 
 @dataclasses.dataclass
@@ -135,7 +152,8 @@ def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Opt
     Raises:
       RendezvousError: the coordinator cannot be started or reached, or a worker is missing at the deadline.
     """
-    me = WorkerInfo(spec.rank, socket.gethostname(), boot_id(), os.getpid())
+    me = WorkerInfo(spec.rank, socket.gethostname(), boot_id(), os.getpid(), namespace_id("net"),
+                    namespace_id("mnt"))
     if spec.world_size == 1:
         return Rendezvous(None, None, [me], 0, 1)
     host, port = split_host_port(spec.coordinator)

@@ -112,7 +112,7 @@ class GrpcRingBackend(Backend):
         # The data path to each ring neighbour: unix sockets on one host, grpc (or opt-in tcp) between hosts.
         requested = socket_transport.parse_transport(g.transport)
         left, right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
-        same = lambda a, b: g.workers[a].host_key == g.workers[b].host_key  # noqa: E731
+        same = lambda a, b: g.workers[a].local_link_key == g.workers[b].local_link_key  # noqa: E731
         links = [socket_transport.choose(requested, same(i, (i + 1) % self.size)) for i in range(self.size)]
         inbound, outbound = links[left], links[self.rank]
         if self.chunk_bytes is None:  # the same on every rank: chunk keys must agree around the ring

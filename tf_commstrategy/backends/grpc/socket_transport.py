@@ -226,9 +226,16 @@ class SocketStream:
                  describe=None):
         self.address, self.peer_rank, self.my_rank = address, peer_rank, my_rank
         self._who = describe(peer_rank) if describe is not None else address
-        self._sock = _connect(address, timeout)
-        self._sock.settimeout(timeout)
-        nonce = _recv_exact(self._sock, NONCE_BYTES)
+        try:
+            self._sock = _connect(address, timeout)
+            self._sock.settimeout(timeout)
+            nonce = _recv_exact(self._sock, NONCE_BYTES)
+        except OSError as e:
+            raise RendezvousError(f"cannot open the data connection to rank {peer_rank} at {address}: {e}",
+                                  rank=my_rank, address=address,
+                                  fix=f"rank {peer_rank} may have died while starting (see its log); ranks that "
+                                      "share a hostname but not a network namespace need TFCS_TRANSPORT=grpc "
+                                      "or tcp") from None
         if nonce is None:
             raise RendezvousError(f"the data server of rank {peer_rank} at {address} closed the connection "
                                   f"before its challenge", rank=my_rank, address=address,

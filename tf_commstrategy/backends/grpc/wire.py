@@ -25,6 +25,7 @@ BYE_STEP = 0xFFFFFFFF               # sender closes its stream cleanly (shutdown
 #: A neighbour is never more than one collective ahead; frames for collectives further out (or
 #: already finished) name no collective of this job and are dropped, logged once.
 SEQ_WINDOW = 64
+GONE_GRACE_S = 0.5
 
 Key = Tuple[int, int, int]           # (seq, step, chunk)
 
@@ -109,7 +110,12 @@ class Mailbox:
                 if self._error is not None:
                     raise self._error
                 if sender in self._gone:
-                    raise self._gone[sender]
+                    # A peer that failed itself reports why (Abort) before it goes: give that report a
+                    # moment to arrive, so survivors blame the real cause, not a failing survivor.
+                    grace_end = time.monotonic() + GONE_GRACE_S
+                    while self._error is None and time.monotonic() < grace_end:
+                        self._cv.wait(grace_end - time.monotonic())
+                    raise self._error if self._error is not None else self._gone[sender]
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
