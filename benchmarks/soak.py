@@ -425,7 +425,7 @@ def build_parser():
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS / thread samples")
     p.add_argument("--fit-every", type=float, default=3.0, help="seconds between model.fit epochs")
     p.add_argument("--timeout", type=float, default=60.0, help="collective deadline (TFCS_TIMEOUT), seconds")
-    p.add_argument("--transport", choices=["auto", "unix", "tcp", "grpc"], help="ring data path (tfcs-run)")
+    p.add_argument("--transport", choices=["auto", "shm", "unix", "tcp", "grpc"], help="ring data path (tfcs-run)")
     p.add_argument("--startup-limit", type=float, default=240.0,
                    help="seconds allowed beyond --duration for startup and shutdown before the job is stopped")
     p.add_argument("--report-dir", help="where workers write soak-rank<N>.json (default: a new temp dir)")

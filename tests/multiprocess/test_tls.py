@@ -48,7 +48,7 @@ def test_job_over_mutual_tls_gives_numpy_results(tmp_path, transport):
         np.testing.assert_array_equal(out[0], np.arange(1000) * 6.0)
         np.testing.assert_array_equal(out[1], np.arange(5) + 1)
         np.testing.assert_array_equal(out[2], [0, 1, 2])
-        assert tls and data_path == ("grpc" if transport == "grpc" else "unix")
+        assert tls and data_path == ("grpc" if transport == "grpc" else "shm")
 
 
 @pytest.mark.timeout(120)

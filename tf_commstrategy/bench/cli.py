@@ -141,7 +141,7 @@ def main(argv=None):
     p.add_argument("--op", choices=["allreduce", "broadcast", "allgather"], default="allreduce")
     p.add_argument("--sizes", default="8,4K,256K,4M,64M,256M")
     p.add_argument("--backend", choices=["grpc", "nccl", "auto"], default="grpc")
-    p.add_argument("--transport", choices=["auto", "unix", "tcp", "grpc"], default=None,
+    p.add_argument("--transport", choices=["auto", "shm", "unix", "tcp", "grpc"], default=None,
                    help="data path under the ring (TFCS_TRANSPORT; default auto: unix on one host)")
     p.add_argument("--compare", default="", help="comma-separated peers: tf-ring, gloo")
     p.add_argument("--budget", type=float, default=1.5, help="approximate seconds spent per size and impl")

@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="On clusters start workers with Slurm (srun), mpirun or Kubernetes instead; see docs/launching.md")
     p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
     p.add_argument("--backend", choices=["grpc", "nccl", "auto"], help="default backend (TFCS_BACKEND)")
-    p.add_argument("--transport", choices=["auto", "unix", "tcp", "grpc"],
-                   help="data path under the ring (TFCS_TRANSPORT; default auto: unix sockets on one host)")
+    p.add_argument("--transport", choices=["auto", "shm", "unix", "tcp", "grpc"],
+                   help="data path under the ring (TFCS_TRANSPORT; default auto: shared memory on one host, "
+                        "gRPC between hosts)")
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free port)")
     p.add_argument("--host", default="127.0.0.1", help="address the coordinator and workers bind (loopback)")
     p.add_argument("--timeout", type=float, help="collective deadline in seconds (TFCS_TIMEOUT)")
@@ -222,7 +223,20 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
     finally:
         for t in pumps:
             t.join(timeout=5)
+        _remove_segments_of({p.pid for p in procs})
     return exit_code
+
+
+def _remove_segments_of(pids) -> None:
+    """Shared-memory segments are unlinked by the workers once mapped; a worker killed during that
+    window leaves one behind, which is removed here once the job is over."""
+    try:
+        from ..backends.grpc.shm_transport import remove_stale_segments
+        n = remove_stale_segments(only_pids=set(pids))
+    except Exception:  # pragma: no cover - cleanup must never hide the job's own exit code
+        return
+    if n:
+        print(f"tfcs-run: removed {n} shared-memory segment(s) left by the workers", file=sys.stderr)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

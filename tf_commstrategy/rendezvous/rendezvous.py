@@ -96,6 +96,7 @@ class WorkerInfo:
     pid: int
     netns: str = ""
     mntns: str = ""
+    pidns: str = ""
 
     @property
     def host_key(self):
@@ -106,6 +107,11 @@ class WorkerInfo:
     def local_link_key(self):
         """Same machine AND same network namespace: Unix abstract sockets reach each other only then."""
         return (self.hostname, self.boot_id, self.netns)
+
+    @property
+    def shm_key(self):
+        """Same machine, /dev/shm and pids: shared-memory links (and their liveness checks) work."""
+        return (self.hostname, self.boot_id, self.netns, self.mntns, self.pidns)
 
 
 def namespace_id(kind: str) -> str:
@@ -153,7 +159,7 @@ def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Opt
       RendezvousError: the coordinator cannot be started or reached, or a worker is missing at the deadline.
     """
     me = WorkerInfo(spec.rank, socket.gethostname(), boot_id(), os.getpid(), namespace_id("net"),
-                    namespace_id("mnt"))
+                    namespace_id("mnt"), namespace_id("pid"))
     if spec.world_size == 1:
         return Rendezvous(None, None, [me], 0, 1)
     host, port = split_host_port(spec.coordinator)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import List, Optional
@@ -12,10 +13,10 @@ import numpy as np
 from ... import config
 from ...core import ring
 from ...core.backend import Backend, register_backend
-from ...core.reduce_ops import ReduceOp
+from ...core.reduce_ops import ReduceOp, needs_wide_accumulator
 from ...errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                        PeerLostError, TfcsError, UnsupportedOperationError)
-from . import liveness, socket_transport, transport, wire
+from . import liveness, shm_transport, socket_transport, transport, wire
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -39,12 +40,19 @@ class _Link:
 
     def finish(self) -> None:
         """The collective is done here: make sure our last frames left before the buffer is returned."""
+        if self._b._shm_in is not None:
+            self._b._shm_in.release()
         self._b._right_stream.drain(max(0.1, self._deadline - time.monotonic()), abort=self._b.mailbox.error_now)
 
     def recv(self, key):
         right = self._b._right_stream
-        item = self._b.mailbox.take((self._seq,) + tuple(key), self._deadline, self._left, self._sig,
-                                    health=right.broken if right is not None else None)
+        pump = getattr(right, "pump", None)  # a shared-memory outbound writes queued frames while we wait
+        if self._b._shm_in is not None:
+            item = self._b._shm_in.take((self._seq,) + tuple(key), self._deadline, self._sig,
+                                        abort=self._b.mailbox.error_now, pump=pump)
+        else:
+            item = self._b.mailbox.take((self._seq,) + tuple(key), self._deadline, self._left, self._sig,
+                                        health=right.broken if right is not None else None, pump=pump)
         if item is None:
             right = self._b._right_stream.broken() if self._b._right_stream else None
             if right is not None:
@@ -95,6 +103,8 @@ class GrpcRingBackend(Backend):
         self._server = None
         self._socket_server = None
         self._watchdog: Optional[liveness.Watchdog] = None
+        self._shm: Optional[shm_transport.ShmLinks] = None
+        self._shm_in: Optional[shm_transport.ShmReceiver] = None
         self._probes = {}
         self._lost = set()
         self.transport = "none"
@@ -109,22 +119,43 @@ class GrpcRingBackend(Backend):
                                             self.mailbox, self.describe, progress=self._progress, tls=g.tls)
         me = f"{g.advertise_host}:{self._server.port}"
         g.store.set(f"grpc/addr/{self.rank}", me)
-        # The data path to each ring neighbour: unix sockets on one host, grpc (or opt-in tcp) between hosts.
+        # The data path to each ring neighbour: shared memory (else unix sockets) on one host, grpc (or
+        # opt-in tcp) between hosts. Decided from the rendezvous' worker facts only, so every rank
+        # computes the same list (the chunk size below depends on it).
         requested = socket_transport.parse_transport(g.transport)
         left, right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
-        same = lambda a, b: g.workers[a].local_link_key == g.workers[b].local_link_key  # noqa: E731
-        links = [socket_transport.choose(requested, same(i, (i + 1) % self.size)) for i in range(self.size)]
+        w = g.workers
+        links = [socket_transport.choose(requested, w[i].local_link_key == w[(i + 1) % self.size].local_link_key,
+                                         w[i].shm_key == w[(i + 1) % self.size].shm_key)
+                 for i in range(self.size)]
         inbound, outbound = links[left], links[self.rank]
         if self.chunk_bytes is None:  # the same on every rank: chunk keys must agree around the ring
-            sockets_only = all(k in ("unix", "tcp") for k in links)
-            self.chunk_bytes = config.DEFAULT_SOCKET_CHUNK_BYTES if sockets_only else config.DEFAULT_CHUNK_BYTES
+            if "shm" in links:
+                self.chunk_bytes = config.DEFAULT_SHM_CHUNK_BYTES
+            elif all(k in ("unix", "tcp") for k in links):
+                self.chunk_bytes = config.DEFAULT_SOCKET_CHUNK_BYTES
+            else:
+                self.chunk_bytes = config.DEFAULT_CHUNK_BYTES
+        if "shm" in (inbound, outbound):
+            local = sum(1 for x in w if x.host_key == w[self.rank].host_key)
+            spin = 50e-6 if (os.cpu_count() or 1) >= local else 0.0  # spinning only helps with a core per rank
+            self._shm = shm_transport.ShmLinks(g.store, self.rank, self.size, inbound == "shm", outbound == "shm",
+                                               [x.pid for x in w], self.describe, self.chunk_bytes,
+                                               g.rendezvous_timeout, spin)
+            self._shm_in = self._shm.receiver
+            if inbound == "shm" and self._shm_in is None:
+                inbound = "unix"
+            if outbound == "shm" and self._shm.sender is None:
+                outbound = "unix"
         if inbound in ("unix", "tcp"):
             self._socket_server = socket_transport.SocketServer(self.rank, self.size, inbound, g.bind_host,
                                                                 g.token, self.mailbox, self.describe)
             addr = self._socket_server.address or f"{g.advertise_host}:{self._socket_server.port}"
             g.store.set(f"sock/addr/{self.rank}", addr)
         self._addresses = [g.store.get(f"grpc/addr/{i}", g.rendezvous_timeout) for i in range(self.size)]
-        if outbound in ("unix", "tcp"):
+        if outbound == "shm":
+            self._right_stream = self._shm.sender
+        elif outbound in ("unix", "tcp"):
             addr = g.store.get(f"sock/addr/{right}", g.rendezvous_timeout)
             self._right_stream = socket_transport.SocketStream(addr, g.token, right, self.rank, g.rendezvous_timeout,
                                                                describe=self.describe)
@@ -250,18 +281,37 @@ class GrpcRingBackend(Backend):
     def abort(self, error: BaseException) -> None:
         self._fail(error, notify_peers=True)
 
-    def _chunk_elems(self, dtype) -> int:
-        return max(1, self.chunk_bytes // np.dtype(dtype).itemsize)
+    def _chunk_elems(self, dtype, op: Optional[ReduceOp] = None) -> int:
+        """Elements per chunk; float16 / bfloat16 reductions travel as float32 partials, so they are
+        counted at 4 bytes (a chunk on the wire never exceeds ``chunk_bytes``)."""
+        wire = np.float32 if op is not None and needs_wide_accumulator(np.dtype(dtype), op) else dtype
+        return max(1, self.chunk_bytes // max(np.dtype(dtype).itemsize, np.dtype(wire).itemsize))
 
     # -- collectives -----------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, op: ReduceOp, timeout=None) -> np.ndarray:
+    supports_out = True
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, timeout=None, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """``out`` (C-contiguous, same shape and dtype; may be ``buf``: in place) receives the result;
+        without it a new array does. ``buf`` itself is only read unless it is ``out``."""
         sig = f"allreduce op={op.value} dtype={buf.dtype} shape={tuple(buf.shape)}"
-        flat = np.array(buf, copy=True, order="C").reshape(-1)
-        ce = self._chunk_elems(buf.dtype)
+        src = np.ascontiguousarray(buf).reshape(-1)
+        if out is None:
+            flat = np.empty_like(src)
+        else:
+            if out.shape != buf.shape or out.dtype != buf.dtype or not out.flags.c_contiguous:
+                raise UnsupportedOperationError(
+                    f"out= must be a C-contiguous array of shape {buf.shape} and dtype {buf.dtype}; got "
+                    f"shape {out.shape}, dtype {out.dtype}", rank=self.rank,
+                    fix="pass out=np.empty_like(x) or out=x (in place)")
+            flat = out.reshape(-1)
+        if flat is src or (out is not None and np.shares_memory(flat, src)):
+            src = None  # in place
+        ce = self._chunk_elems(buf.dtype, op)
 
         def body(link):
-            return ring.allreduce(link or _Single(), flat, op, ce, self.small_bytes).reshape(buf.shape)
-        return self._run(sig, timeout, body)
+            return ring.allreduce(link or _Single(), flat, op, ce, self.small_bytes, src=src).reshape(buf.shape)
+        result = self._run(sig, timeout, body)
+        return out if out is not None else result
 
     def reduce_scatter(self, buf: np.ndarray, op: ReduceOp, timeout=None) -> np.ndarray:
         if buf.ndim == 0:
@@ -271,7 +321,7 @@ class GrpcRingBackend(Backend):
         flat = np.array(buf, copy=True, order="C").reshape(-1)
         rows = buf.shape[0]
         row_elems = int(np.prod(buf.shape[1:], dtype=np.int64))
-        ce = self._chunk_elems(buf.dtype)
+        ce = self._chunk_elems(buf.dtype, op)
 
         def body(link):
             lo, hi = ring.reduce_scatter(link or _Single(), flat, op, rows, row_elems, ce)
@@ -350,6 +400,10 @@ class GrpcRingBackend(Backend):
         if self._socket_server is not None:
             self._socket_server.stop()
             self._socket_server = None
+        if self._shm_in is not None:
+            self._shm_in.close()
+            self._shm_in = None
+        self._shm = None
 
 
 class _Single:

@@ -345,14 +345,20 @@ class SocketStream:
 def parse_transport(name: Optional[str]) -> str:
     from ...errors import ConfigurationError
     n = (name or "auto").strip().lower()
-    if n not in ("auto", "grpc", "tcp", "unix"):
-        raise ConfigurationError(f"unknown transport {name!r}", fix="use auto, grpc, tcp or unix")
+    if n not in ("auto", "grpc", "tcp", "unix", "shm"):
+        raise ConfigurationError(f"unknown transport {name!r}", fix="use auto, shm, unix, tcp or grpc")
     return n
 
 
-def choose(requested: str, same_host: bool) -> str:
-    """Data path to the right neighbour: "auto" -> unix on the same host, grpc between hosts."""
-    if requested == "auto":
+def choose(requested: str, same_host: bool, same_memory: bool = False) -> str:
+    """Data path between two ring neighbours.
+
+    "auto": shared memory when they share a host's memory (same host and namespaces), else unix
+    sockets on one host, else grpc. "shm" and "unix" degrade the same way; "tcp" and "grpc" are kept.
+    """
+    if requested in ("auto", "shm"):
+        if same_memory:
+            return "shm"
         return "unix" if same_host else "grpc"
     if requested == "unix" and not same_host:
         return "grpc"

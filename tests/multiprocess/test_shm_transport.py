@@ -1,0 +1,80 @@
+"""Shared memory under the ring: fallback when /dev/shm cannot hold a segment, kill -9 mid-allreduce
+leaves nothing behind and gives survivors the same typed error as the other data paths."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import run_workers
+from tf_commstrategy.backends.grpc import shm_transport as S
+
+pytestmark = pytest.mark.skipif(S.available() is not None, reason=f"no shared memory here: {S.available()}")
+
+
+def _small_shm(rank, size):
+    import errno
+    import logging
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.backends.grpc import shm_transport
+    from tf_commstrategy.process import default_group
+    warnings = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+    logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.WARNING))
+    if rank == 1:  # as if this rank's /dev/shm were full (a container's 64 MiB default, say)
+        def full(size, kind):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        shm_transport.Segment.create = staticmethod(full)
+    tfcs.init()
+    got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
+    b = default_group().backend("grpc")
+    return b.transport, b._shm_in is not None, got[-3:].tolist(), [w for w in warnings if "shared memory" in w]
+
+
+def test_too_small_dev_shm_falls_back_to_unix_sockets_with_one_warning():
+    res = run_workers(_small_shm, 3, timeout=120)
+    n = 300_000
+    for rank, (transport, shm_in, tail, warns) in enumerate(res):
+        assert tail == [(n - 3) * 6.0, (n - 2) * 6.0, (n - 1) * 6.0]
+    # rank 1 cannot create segments: its inbound (0 -> 1) and outbound (1 -> 2) links use unix sockets
+    assert res[0][0] == "unix" and res[1][0] == "unix" and not res[1][1]
+    assert res[2][0] == "shm" and not res[2][1]  # 2 -> 0 stays shared memory; 1 -> 2 came in over unix
+    assert len(res[1][3]) == 1 and "No space left" in res[1][3][0], res[1][3]
+
+
+def _killed_mid_allreduce(rank, size, transport):
+    import tf_commstrategy as tfcs
+    tfcs.init(transport=transport, timeout=60)
+    x = np.ones(16 << 20, np.float32)  # 64 MiB: the kill lands inside an all-reduce
+    if rank == 2:
+        threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    t_kill = time.time() + 1.5
+    try:
+        for _ in range(1000):
+            tfcs.allreduce(x)
+    except tfcs.TfcsError as e:
+        return type(e).__name__, getattr(e, "peer_rank", None), time.time() - t_kill, os.getpid()
+    return "no error", None, 0, os.getpid()
+
+
+@pytest.mark.timeout(300)
+def test_kill9_mid_allreduce_on_shm_leaves_no_segment_and_matches_other_paths():
+    before = set(os.listdir(S.SHM_DIR))
+    outcome = {}
+    for transport in ("shm", "unix"):
+        res = run_workers(_killed_mid_allreduce, 3, transport, timeout=150, expect_failure=True)
+        assert res[2][0] == "missing"
+        outcome[transport] = [(res[r][1][0], res[r][1][1]) for r in (0, 1)]
+        for r in (0, 1):
+            name, peer, dt, _ = res[r][1]
+            assert name == "PeerLostError" and peer == 2, (transport, res[r])
+            assert dt < 15, (transport, dt)
+    assert outcome["shm"] == outcome["unix"]
+    left = [f for f in set(os.listdir(S.SHM_DIR)) - before if f.startswith(S.PREFIX)]
+    assert left == []

@@ -1,0 +1,131 @@
+"""The shared-memory ring in one process: frames in order across the wrap, a full ring queues frames
+until space is freed, releases, mismatches, a closed producer, deadlines, and segment hygiene."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tf_commstrategy.backends.grpc import shm_transport as S
+from tf_commstrategy.errors import PeerLostError
+
+pytestmark = pytest.mark.skipif(S.available() is not None, reason=f"no shared memory here: {S.available()}")
+
+
+def _pair(chunk_bytes=64 << 10, peer_pid=None):
+    ring = S.Segment.create(S.ring_bytes(chunk_bytes), "ring")
+    bell_a = S.Segment.create(S.BELL_BYTES, "bell")
+    bell_b = S.Segment.create(S.BELL_BYTES, "bell")
+    pid = peer_pid or os.getpid()
+    describe = lambda r: f"pid {pid}"  # noqa: E731
+    tx = S.ShmSender(S.Segment.attach(ring.path), S.Bell(S.Segment.attach(bell_b.path)),
+                     S._Waiter(S.Bell(bell_a), 1, pid, 0, describe, 0.0), 0, 1)
+    rx = S.ShmReceiver(ring, S.Bell(bell_a), S._Waiter(S.Bell(bell_b), 0, pid, 1, describe, 0.0), 1, 0)
+    for seg in (ring, bell_a, bell_b):
+        seg.unlink()
+    return tx, rx
+
+
+def test_segments_are_private_and_unlinked_once_mapped():
+    seg = S.Segment.create(4096, "ring")
+    try:
+        st = os.stat(seg.path)
+        assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
+        assert os.path.basename(seg.path).startswith(f"{S.PREFIX}{os.getpid()}-")
+        other = S.Segment.attach(seg.path)
+        seg.unlink()
+        assert not os.path.exists(seg.path)
+        other.u8[100] = 7  # the mapping outlives the name
+        assert seg.u8[100] == 7
+        other.close()
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_attach_refuses_foreign_paths_and_modes(tmp_path):
+    with pytest.raises(OSError):
+        S.Segment.attach(str(tmp_path / "x"))
+    seg = S.Segment.create(4096, "ring")
+    try:
+        os.chmod(seg.path, 0o644)
+        with pytest.raises(OSError, match="mode"):
+            S.Segment.attach(seg.path)
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_frames_arrive_in_order_across_many_wraps_and_full_ring_queues():
+    tx, rx = _pair()
+    rng = np.random.default_rng(0)
+    sizes = [int(s) for s in rng.integers(0, 60 << 10, 400)]
+    payloads = [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
+    sent = got = 0
+    queued_peak = 0
+    while got < len(payloads):
+        # the producer runs ahead as far as the ring allows; the rest queues
+        while sent < len(payloads) and len(tx._pending) < 8:
+            tx.send_frame(5, sent, 0, b"sig", payloads[sent])
+            sent += 1
+        queued_peak = max(queued_peak, len(tx._pending))
+        sig, view = rx.take((5, got, 0), time.monotonic() + 5, b"sig", pump=tx.pump)
+        assert sig == b"sig" and np.array_equal(view, payloads[got]), got
+        got += 1
+    rx.release()
+    tx.drain(5)
+    assert queued_peak > 0  # the ring did fill up
+    assert not tx._pending and int(rx._ctl[S.HEAD]) == rx._tail  # everything consumed, nothing left
+
+
+def test_mismatched_frames_are_reported_not_delivered():
+    tx, rx = _pair()
+    tx.send_frame(3, 0, 0, b"allreduce sum", np.zeros(4, np.uint8))
+    sig, payload = rx.take((3, 0, 0), time.monotonic() + 5, b"allreduce max")
+    assert sig == b"allreduce sum"  # the caller compares and raises CollectiveMismatchError
+    tx.send_frame(4, 0, 0, b"x", np.zeros(4, np.uint8))
+    sig, payload = rx.take((9, 0, 0), time.monotonic() + 5, b"x")
+    assert payload is None and b"#4" in sig  # another collective entirely
+
+
+def test_receiver_times_out_at_the_deadline_and_sees_a_clean_close():
+    tx, rx = _pair()
+    t0 = time.monotonic()
+    assert rx.take((0, 0, 0), time.monotonic() + 0.3, b"s") is None
+    assert 0.29 <= time.monotonic() - t0 < 2
+    tx.close()
+    with pytest.raises(PeerLostError, match="shut down its process group"):
+        rx.take((0, 0, 0), time.monotonic() + 5, b"s")
+
+
+def test_a_dead_peer_is_noticed_within_a_slice():
+    import subprocess
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        tx, rx = _pair(peer_pid=p.pid)
+        p.kill()
+        p.wait()
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match="is gone"):
+            rx.take((0, 0, 0), time.monotonic() + 30, b"s")
+        assert time.monotonic() - t0 < 1
+    finally:
+        p.kill()
+
+
+def test_stale_segments_of_dead_creators_are_removed():
+    import subprocess
+    p = subprocess.Popen(["true"])
+    p.wait()
+    dead = os.path.join(S.SHM_DIR, f"{S.PREFIX}{p.pid}-ring-deadbeef")
+    alive = S.Segment.create(4096, "ring")
+    open(dead, "w").close()
+    try:
+        assert S.remove_stale_segments() >= 1
+        assert not os.path.exists(dead) and os.path.exists(alive.path)
+    finally:
+        alive.unlink()
+        alive.close()
+        if os.path.exists(dead):
+            os.unlink(dead)
