@@ -53,7 +53,7 @@ def _check_root(root_rank: int) -> int:
     return int(root_rank)
 
 
-def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None, out=None):
     """Reduce ``x`` over all workers; every worker gets the result.
 
     Args:
@@ -61,12 +61,15 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
       op: "sum" | "mean" | "min" | "max" | "prod" (or ``tf.distribute.ReduceOp``). Integer means floor.
       backend: "grpc" | "nccl" | "auto" for this call only (default: the group's backend).
       timeout: deadline in seconds for this call (default: the group's, ``TFCS_TIMEOUT``).
+      out: numpy only: a C-contiguous array of ``x``'s shape and dtype that receives the result
+        (``out=x`` reduces in place, like Horovod's ``allreduce_``; saves allocating the result).
 
     Returns:
-      An array of the same type, shape and dtype as ``x``.
+      An array of the same type, shape and dtype as ``x`` (``out`` when given).
 
     Raises:
-      UnsupportedOperationError: dtype/op combination not supported (e.g. sum of bools).
+      UnsupportedOperationError: dtype/op combination not supported (e.g. sum of bools), or ``out``
+        of another shape / dtype / layout, or ``out`` with a backend or tensor type that cannot take it.
       ConfigurationError: unknown op or backend name.
       BackendUnavailableError: the chosen backend cannot run here (e.g. nccl without cupy).
       NotInitializedError: ``tfcs.init()`` has not been called.
@@ -81,7 +84,14 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
     op = ReduceOp.parse(op)
     arr = _as_array(x, "allreduce")
     check_dtype(arr.dtype, op)
-    return _backend(backend, arr).allreduce(arr, op, timeout)
+    b = _backend(backend, arr)
+    if out is None:
+        return b.allreduce(arr, op, timeout)
+    if not getattr(b, "supports_out", False) or not isinstance(out, np.ndarray):
+        raise UnsupportedOperationError(f"out= is supported for numpy arrays on the grpc backend, not for "
+                                        f"{type(out).__name__} on {b.name}",
+                                        fix="drop out= and use the returned array")
+    return b.allreduce(arr, op, timeout, out=out)
 
 
 def grouped_allreduce(xs: Sequence, op="sum", *, backend: Optional[str] = None,

@@ -82,8 +82,8 @@ def matrix_worker(rank, size, seed):
     return report
 
 
-# Every data path under the ring: unix sockets (the default on one host), gRPC, and opt-in raw TCP.
-TRANSPORTS = [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (2, "grpc"), (3, "grpc"), (3, "tcp")]
+# Every data path under the ring: shared memory (the default on one host), unix sockets, gRPC, opt-in raw TCP.
+TRANSPORTS = [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (3, "unix"), (2, "grpc"), (3, "grpc"), (3, "tcp")]
 
 
 @pytest.mark.timeout(600)
@@ -172,6 +172,38 @@ def _which_transport(rank, size):
     return default_group().backend("grpc").stats()["transport"]
 
 
-@pytest.mark.parametrize("requested,expected", [("auto", "unix"), ("grpc", "grpc"), ("tcp", "tcp")])
+@pytest.mark.parametrize("requested,expected", [("auto", "shm"), ("shm", "shm"), ("unix", "unix"), ("grpc", "grpc"),
+                                                ("tcp", "tcp")])
 def test_transport_choice_per_neighbour_pair(requested, expected):
     assert run_workers(_which_transport, 2, timeout=60, env={"TFCS_TRANSPORT": requested}) == [expected] * 2
+
+
+def _out_worker(rank, size):
+    import tf_commstrategy as tfcs
+    tfcs.init()
+    report = []
+    for n in (0, 7, (1 << 20) + 3):
+        for op in ("sum", "mean", "max"):
+            ins = [np.random.default_rng(10 * n + r).standard_normal(n) for r in range(size)]
+            want = {"sum": sum(ins), "mean": sum(ins) / size, "max": np.max(ins, axis=0) if n else ins[0]}[op]
+            x = ins[rank].copy()
+            other = np.full_like(x, 123.0)
+            got = tfcs.allreduce(x, op=op, out=other)
+            report.append((n, op, got is other, bool(np.array_equal(x, ins[rank])), float(np.max(np.abs(got - want)))
+                           if n else 0.0))
+            got2 = tfcs.allreduce(x, op=op, out=x)  # in place
+            report.append((n, op, got2 is x, True, float(np.max(np.abs(x - want))) if n else 0.0))
+    try:
+        tfcs.allreduce(np.ones(3), out=np.ones(4))
+        bad = "accepted"
+    except tfcs.UnsupportedOperationError as e:
+        bad = str(e)
+    return report, bad
+
+
+@pytest.mark.parametrize("transport", ["auto", "unix"])
+def test_allreduce_into_out_and_in_place(transport):
+    for report, bad in run_workers(_out_worker, 3, timeout=120, env={"TFCS_TRANSPORT": transport}):
+        for n, op, is_out, input_kept, err in report:
+            assert is_out and input_kept and err < 1e-12, (n, op, is_out, input_kept, err)
+        assert "out= must be" in bad

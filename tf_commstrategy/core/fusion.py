@@ -79,7 +79,9 @@ def fused_allreduce(backend, bufs: Sequence, op, timeout=None) -> List:
     """
     out: List = [None] * len(bufs)
     for _, idxs in group_by_dtype(bufs).items():
-        flat = backend.allreduce(flatten(bufs, idxs), op, timeout)
+        fused = flatten(bufs, idxs)  # a fresh buffer of ours: reduce it in place where the backend can
+        flat = (backend.allreduce(fused, op, timeout, out=fused) if getattr(backend, "supports_out", False)
+                else backend.allreduce(fused, op, timeout))
         unflatten(flat, bufs, idxs, out)
     return out
 

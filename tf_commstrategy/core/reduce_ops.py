@@ -127,6 +127,29 @@ def combine_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
         raise ConfigurationError(f"unknown op {op}")
 
 
+def combine_to(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:
+    """``out = a (op) b`` (out of place; MEAN combines as SUM).
+
+    Args:
+      out: where the result goes (may be ``a``).
+      a, b: the operands, same shape as ``out``.
+      op: the reduction.
+
+    Raises:
+      ConfigurationError: an unknown op.
+    """
+    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
+        np.add(a, b, out=out)
+    elif op is ReduceOp.PROD:
+        np.multiply(a, b, out=out)
+    elif op is ReduceOp.MIN:
+        np.minimum(a, b, out=out)
+    elif op is ReduceOp.MAX:
+        np.maximum(a, b, out=out)
+    else:  # pragma: no cover
+        raise ConfigurationError(f"unknown op {op}")
+
+
 def finish_mean(buf: np.ndarray, world_size: int) -> None:
     """Turn a sum into a mean in place. Integers use floor division (documented).
 

@@ -18,12 +18,12 @@ transfer of the next ones and the whole all-reduce is one stream of chunk sends 
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from .reduce_ops import ReduceOp, combine_into, finish_mean, needs_wide_accumulator
+from .reduce_ops import ReduceOp, combine_into, combine_to, finish_mean, needs_wide_accumulator
 
 
 def chunk_ranges(lo: int, hi: int, chunk_elems: int) -> List[Tuple[int, int]]:
@@ -87,22 +87,29 @@ def _incoming(link, key, dtype, expect: int) -> np.ndarray:
     return arr
 
 
-def _reduce_scatter_steps(link, flat: np.ndarray, op: ReduceOp, chunks: Sequence, then_send_final: bool):
-    """Ring reduce-scatter in place: afterwards rank r holds the reduction of segment r.
+def _reduce_scatter_steps(link, flat: np.ndarray, op: ReduceOp, chunks: Sequence, then_send_final: bool,
+                          src: Optional[np.ndarray] = None):
+    """Ring reduce-scatter: afterwards rank r holds the reduction of segment r in ``flat``.
 
     Step s sends segment (r - s - 1) and receives + reduces segment (r - s - 2).
     When ``then_send_final`` the reduced segment r is sent as the first all-gather step.
+    With ``src`` this rank's values are read from ``src`` and the reductions written to ``flat``
+    (out of place: no copy of the input first); without, ``flat`` holds the input and is reduced in place.
     """
     W, r = link.size, link.rank
+    own = flat if src is None else src
     for c, (a, b) in enumerate(chunks[(r - 1) % W]):
-        link.send((0, c), _as_bytes(flat[a:b]))
+        link.send((0, c), _as_bytes(own[a:b]))
     for s in range(W - 1):
         seg = (r - s - 2) % W
         last = s == W - 2
         for c, (a, b) in enumerate(chunks[seg]):
             incoming = _incoming(link, (s, c), flat.dtype, b - a)
             dst = flat[a:b]
-            combine_into(dst, incoming, op)
+            if src is None:
+                combine_into(dst, incoming, op)
+            else:
+                combine_to(dst, src[a:b], incoming, op)
             if not last or then_send_final:
                 link.send((s + 1, c), _as_bytes(dst))
 
@@ -158,8 +165,12 @@ def allreduce_by_allgather(link, flat: np.ndarray, op: ReduceOp, chunk_elems: in
     return flat
 
 
-def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_bytes: int = 0) -> np.ndarray:
-    """In-place ring all-reduce of a 1-D contiguous array; returns it.
+def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_bytes: int = 0,
+              src: Optional[np.ndarray] = None) -> np.ndarray:
+    """Ring all-reduce of a 1-D contiguous array; returns ``flat``.
+
+    In place (``flat`` holds the input), or with ``src`` out of place: ``src`` is read, never written,
+    and ``flat`` (same size, any contents) receives the result; this saves copying the input first.
 
     Buffers with ``nbytes * (size - 1) <= small_bytes`` take ``allreduce_by_allgather`` instead.
 
@@ -181,6 +192,10 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
       CollectiveMismatchError: a neighbour sent a chunk of another size (another shape or dtype).
     """
     W, r = link.size, link.rank
+    if src is not None and (W == 1 or (small_bytes > 0 and flat.nbytes * (W - 1) <= small_bytes)
+                            or needs_wide_accumulator(flat.dtype, op)):
+        flat[...] = src  # these paths work in place
+        src = None
     if W == 1:
         if op is ReduceOp.MEAN:
             finish_mean(flat, W)
@@ -201,12 +216,12 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
     if op is ReduceOp.MEAN:
         # Divide this rank's own segment before it is sent: once a chunk is handed to the link it may
         # still be leaving from this memory (zero-copy socket sends), so nothing sent is touched again.
-        _reduce_scatter_steps(link, flat, op, chunks, then_send_final=False)
+        _reduce_scatter_steps(link, flat, op, chunks, then_send_final=False, src=src)
         lo, hi = bounds[r], bounds[r + 1]
         finish_mean(flat[lo:hi], W)
         _allgather_steps(link, flat, chunks, step0=W - 1, send_first=True)
         return flat
-    _reduce_scatter_steps(link, flat, op, chunks, then_send_final=True)
+    _reduce_scatter_steps(link, flat, op, chunks, then_send_final=True, src=src)
     _allgather_steps(link, flat, chunks, step0=W - 1, send_first=False)
     return flat
 
