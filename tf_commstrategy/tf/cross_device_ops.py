@@ -64,7 +64,18 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         return self._ext._num_workers
 
     def _options(self, options):
-        return opts.merge(self._ext._communication_options, options)
+        merged = opts.merge(self._ext._communication_options, options)
+        wanted = getattr(merged, "transport", None)
+        if wanted is not None and wanted not in ("auto", self._ext._group.transport,
+                                                 self._ext._group.backend("grpc").transport):
+            from ..errors import ConfigurationError
+            raise ConfigurationError(
+                f"CommOptions(transport={wanted!r}) on one call, but the ring's links were set up for "
+                f"transport {self._ext._group.transport!r} when the job started", rank=self._ext._group.rank,
+                fix="choose the transport once per job: CommStrategy(transport=...), "
+                    "CommStrategy(communication_options=CommOptions(transport=...)), TFCS_TRANSPORT or "
+                    "tfcs-run --transport")
+        return merged
 
     def _backend_name(self, options):
         return opts.choose_backend(options, self._ext._backend_name, self._ext._communication_options)

@@ -22,14 +22,16 @@ Implementation = collective_util.CommunicationImplementation
 
 
 class CommOptions(collective_util.Options):
-    """``CommunicationOptions`` plus a backend name (and, later, a transport).
+    """``CommunicationOptions`` plus a backend name and a ring transport.
 
     Args:
       backend: "grpc" | "nccl" | "auto" | None (None: decided by ``implementation`` / the strategy).
       bytes_per_pack: fusion bucket size in bytes; 0 fuses each batch into one call per dtype.
       timeout_seconds: the collective deadline for calls made with these options.
       implementation: TF's ``CommunicationImplementation`` (RING -> grpc, NCCL -> nccl).
-      transport: data path under the ring ("grpc"); reserved for the fast-transports work.
+      transport: data path under the ring ("auto" | "shm" | "unix" | "tcp" | "grpc"). It is fixed
+        when the job starts: given to ``CommStrategy(communication_options=...)`` it selects it;
+        on a single call it must equal the job's (else ConfigurationError).
 
     Raises:
       ConfigurationError: ``backend`` is not a known backend name.

@@ -55,6 +55,9 @@ class CommStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices: Optional[Sequence[str]] = None, backend: Optional[str] = None,
                  communication_options=None, sync_metrics: bool = True, timeout: Optional[float] = None,
                  **init_kwargs):
+        wanted = getattr(communication_options, "transport", None)
+        if wanted is not None and "transport" not in init_kwargs:
+            init_kwargs["transport"] = wanted  # the ring's data path is chosen when the job starts
         if process.is_initialized() and not init_kwargs and timeout is None:
             group = process.default_group()  # joined already (tfcs.init with whatever settings)
         else:
