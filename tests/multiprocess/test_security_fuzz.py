@@ -96,7 +96,10 @@ def test_no_token_wrong_token_and_fuzzed_requests_are_rejected_while_a_job_runs(
     from tf_commstrategy.backends.grpc import socket_transport, wire
     results = {}
     t = threading.Thread(target=lambda: results.update(
-        r=run_workers(_job, 2, str(tmp_path), timeout=240, env={"TFCS_TOKEN": TOKEN})), daemon=True)
+        # unix sockets (not the default shared memory) so that the raw-socket server is up to be fuzzed too;
+        # shared memory opens no port: its segments are private files named over the control plane
+        r=run_workers(_job, 2, str(tmp_path), timeout=240, env={"TFCS_TOKEN": TOKEN, "TFCS_TRANSPORT": "unix"})),
+        daemon=True)
     t.start()
     end = time.monotonic() + 120
     while not all((tmp_path / f"addr{r}.json").exists() for r in range(2)):
@@ -179,7 +182,8 @@ def test_no_token_wrong_token_and_fuzzed_requests_are_rejected_while_a_job_runs(
             except (BrokenPipeError, ConnectionResetError):
                 closed += 1
             s.close()
-    assert closed == N_PER_CASE * sum(1 for a in addrs if a["sock"])
+    assert all(a["sock"] for a in addrs)
+    assert closed == N_PER_CASE * len(addrs)
     assert time.monotonic() - t0 < FUZZ_BUDGET_S + 60
     (tmp_path / "stop").write_text("1")
     t.join(200)
