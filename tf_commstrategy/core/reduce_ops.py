@@ -115,16 +115,7 @@ def combine_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
     Raises:
       ConfigurationError: an unknown op.
     """
-    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        np.add(dst, src, out=dst)
-    elif op is ReduceOp.PROD:
-        np.multiply(dst, src, out=dst)
-    elif op is ReduceOp.MIN:
-        np.minimum(dst, src, out=dst)
-    elif op is ReduceOp.MAX:
-        np.maximum(dst, src, out=dst)
-    else:  # pragma: no cover
-        raise ConfigurationError(f"unknown op {op}")
+    combine_to(dst, dst, src, op)
 
 
 def combine_to(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:

@@ -288,10 +288,8 @@ class _Waiter:
             self.bell.wait(seen, min(SLICE_S, deadline - now))
 
 
-class ShmSender:
-    """Frames to the right neighbour through its ring segment (the ``send_frame`` / ``drain`` interface
-    of the socket and gRPC streams). A frame that does not fit yet is queued and written when the
-    neighbour frees space: by ``pump`` (called from every wait of this rank) or ``drain``."""
+class _RingEnd:
+    """One end of a ring segment: its control words, its data area, the neighbour's bell."""
 
     def __init__(self, ring: Segment, peer_bell: Bell, waiter: _Waiter, my_rank: int, peer_rank: int):
         self.ring, self.peer_bell, self.waiter = ring, peer_bell, waiter
@@ -299,6 +297,15 @@ class ShmSender:
         self.capacity = ring.size - HEADER_BYTES
         self._ctl = np.frombuffer(ring.mm, dtype=np.uint64, count=HEADER_BYTES // 8)
         self._data = ring.u8[HEADER_BYTES:]
+
+
+class ShmSender(_RingEnd):
+    """Frames to the right neighbour through its ring segment (the ``send_frame`` / ``drain`` interface
+    of the socket and gRPC streams). A frame that does not fit yet is queued and written when the
+    neighbour frees space: by ``pump`` (called from every wait of this rank) or ``drain``."""
+
+    def __init__(self, ring: Segment, peer_bell: Bell, waiter: _Waiter, my_rank: int, peer_rank: int):
+        super().__init__(ring, peer_bell, waiter, my_rank, peer_rank)
         self._head = int(self._ctl[HEAD])
         self._pending = deque()
         self.max_frame = self.capacity // 4
@@ -375,15 +382,11 @@ class ShmSender:
         self.ring.close()
 
 
-class ShmReceiver:
+class ShmReceiver(_RingEnd):
     """Frames from the left neighbour, read in place from this rank's ring segment."""
 
     def __init__(self, ring: Segment, peer_bell: Bell, waiter: _Waiter, my_rank: int, peer_rank: int):
-        self.ring, self.peer_bell, self.waiter = ring, peer_bell, waiter
-        self.my_rank, self.peer_rank = my_rank, peer_rank
-        self.capacity = ring.size - HEADER_BYTES
-        self._ctl = np.frombuffer(ring.mm, dtype=np.uint64, count=HEADER_BYTES // 8)
-        self._data = ring.u8[HEADER_BYTES:]
+        super().__init__(ring, peer_bell, waiter, my_rank, peer_rank)
         self._tail = int(self._ctl[TAIL])
         self._held = 0  # bytes of the frame handed out by the last take, released at the next one
 
