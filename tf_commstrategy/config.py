@@ -157,6 +157,13 @@ def heartbeat_timeout_from_env(environ=None) -> float:
     return env_value("TFCS_HEARTBEAT_TIMEOUT", parse, DEFAULT_HEARTBEAT_TIMEOUT_S, environ)
 
 
+def hierarchical_from_env(environ=None) -> bool:
+    """``TFCS_HIERARCHICAL``: 1 (default) uses the hierarchical all-reduce when ranks span several
+    hosts with several ranks on some; 0 keeps the flat ring."""
+    return env_value("TFCS_HIERARCHICAL", lambda s: s.strip().lower() not in ("0", "false", "no", "off"), True,
+                     environ)
+
+
 def backend_from_env(environ=None) -> str:
     """``TFCS_BACKEND``: the default backend name, lower-cased (default "auto").
 

@@ -25,7 +25,7 @@ def _job(rank, size, outdir):
     tfcs.init()
     b = default_group().backend("grpc")
     info = {"coordinator": os.environ["TFCS_COORDINATOR"], "data": b._addresses[rank],
-            "sock": b._socket_server.address if b._socket_server is not None else None}
+            "sock": b._socket_servers["unix"].address if "unix" in b._socket_servers else None}
     with open(os.path.join(outdir, f"addr{rank}.json.tmp"), "w") as f:
         json.dump(info, f)
     os.replace(os.path.join(outdir, f"addr{rank}.json.tmp"), os.path.join(outdir, f"addr{rank}.json"))

@@ -153,21 +153,32 @@ def test_fit_three_hosts_matches_single_process(make_hosts, tmp_path):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"weight {i} vs single process")
 
 
-# -- 1b: 2 hosts x 2 ranks, direct API ----------------------------------------------------------------------
+# -- 1b: 2 hosts x 2 ranks, direct API: hierarchical all-reduce (host ring, leader ring) and the flat ring ----
 @pytest.mark.timeout(180)
-def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path):
+@pytest.mark.parametrize("placement,hierarchical", [([0, 0, 1, 1], "1"), ([0, 0, 1, 1], "0"),
+                                                    ([0, 1, 1, 0, 1], "1")])
+def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path, placement, hierarchical):
     hosts = make_hosts(2)
     out = str(tmp_path)
-    placement = [0, 0, 1, 1]
     # bind / advertise hosts left to their defaults: all interfaces / the address routing to the coordinator
-    workers = start_job(hosts, placement, "collectives", out, explicit_hosts=False)
+    workers = start_job(hosts, placement, "collectives", out, explicit_hosts=False,
+                        extra_env={"TFCS_HIERARCHICAL": hierarchical})
     wait_all(workers, timeout=150)
     size = len(placement)
-    expected_links = {0: "unix", 1: "grpc", 2: "unix", 3: "grpc"}  # rank -> its link to rank + 1
+    # rank -> its link to rank + 1: unix inside a host, grpc between hosts
+    expected_links = {r: "unix" if placement[r] == placement[(r + 1) % size] else "grpc" for r in range(size)}
+    groups = [[r for r in range(size) if placement[r] == h] for h in sorted(set(placement))]
+    leaders = [g[0] for g in sorted(groups)]
     for w in workers:
         info = json.load(open(os.path.join(out, f"coll-{w.rank}.json")))
         assert info["hostname"] == hosts.hostnames[w.host]
-        assert (info["local_rank"], info["local_size"]) == (w.rank % 2, 2), info
+        assert info["hierarchical"] == (hierarchical == "1"), info
+        if hierarchical == "1":  # host ring within each host, leader ring between ranks 0 and 2
+            text = w.output()
+            assert "hierarchy: host-ring link to rank" in text, text[-2000:]
+            assert ("hierarchy: leader-ring link to rank" in text) == (w.rank in leaders), text[-2000:]
+        mine = next(g for g in groups if w.rank in g)
+        assert (info["local_rank"], info["local_size"]) == (mine.index(w.rank), len(mine)), info
         assert info["advertise_host"] == hosts.addresses[w.host], info
         assert info["transport"] == expected_links[w.rank], info
         assert _data_path_lines(w.output()) == [(str((w.rank + 1) % size), expected_links[w.rank])]

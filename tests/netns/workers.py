@@ -44,7 +44,7 @@ def _group_info(tfcs):
     return {"rank": tfcs.rank(), "size": tfcs.size(), "local_rank": tfcs.local_rank(),
             "local_size": tfcs.local_size(), "hostname": socket.gethostname(),
             "transport": g.backend("grpc").transport, "advertise_host": g.advertise_host,
-            "bind_host": g.bind_host}
+            "bind_host": g.bind_host, "hierarchical": g.backend("grpc").hierarchical}
 
 
 def _write_json(path, obj):

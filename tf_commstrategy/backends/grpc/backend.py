@@ -13,55 +13,72 @@ import numpy as np
 from ... import config
 from ...core import ring
 from ...core.backend import Backend, register_backend
-from ...core.reduce_ops import ReduceOp, needs_wide_accumulator
+from ...core.reduce_ops import ReduceOp, finish_mean, needs_wide_accumulator
 from ...errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                        PeerLostError, TfcsError, UnsupportedOperationError)
-from . import liveness, shm_transport, socket_transport, transport, wire
+from . import links, liveness, socket_transport, transport, wire
 
 log = logging.getLogger("tf_commstrategy")
 
 
 class _Link:
-    """core.ring's link for one collective: adds seq + signature, enforces the deadline."""
+    """core.ring's link for one collective on one ring: adds seq + signature (and the ring's id to the
+    step), enforces the deadline. ``rank`` / ``size`` are this rank's position in that ring."""
 
-    def __init__(self, backend: "GrpcRingBackend", seq: int, sig: str, deadline: float, timeout: float):
-        self.rank = backend.rank
-        self.size = backend.size
+    def __init__(self, backend: "GrpcRingBackend", ring: "links.RingLinks", seq: int, sig: str, deadline: float,
+                 timeout: float, ring_id: Optional[int] = None):
+        self.rank = ring.rank
+        self.size = ring.size
         self._b = backend
+        self._ring = ring
         self._seq = seq
         self._sig = sig.encode()
         self._sig_text = sig
         self._deadline = deadline
         self._timeout = timeout
-        self._left = (self.rank - 1) % self.size
+        self._left = ring.left  # global rank
+        self._rid = ring.ring_id if ring_id is None else ring_id  # namespaces this phase's frames
+        self._subs: List["_Link"] = []
+
+    def on(self, ring: "links.RingLinks", phase_id: Optional[int] = None) -> "_Link":
+        """The same collective (seq, signature, deadline) on another ring of this rank; ``phase_id``
+        keeps a second phase on the same ring apart from the first."""
+        sub = _Link(self._b, ring, self._seq, self._sig_text, self._deadline, self._timeout, phase_id)
+        self._subs.append(sub)
+        return sub
 
     def send(self, key, payload) -> None:
-        self._b._right_stream.send_frame(self._seq, key[0], key[1], self._sig, payload)
+        self._ring.stream.send_frame(self._seq, links.wire_step(self._rid, key[0]), key[1], self._sig, payload)
 
     def finish(self) -> None:
         """The collective is done here: make sure our last frames left before the buffer is returned."""
-        if self._b._shm_in is not None:
-            self._b._shm_in.release()
-        self._b._right_stream.drain(max(0.1, self._deadline - time.monotonic()), abort=self._b.mailbox.error_now)
+        for sub in self._subs:
+            sub.finish()
+        if self._ring.stream is None:
+            return
+        if self._ring.shm_in is not None:
+            self._ring.shm_in.release()
+        self._ring.stream.drain(max(0.1, self._deadline - time.monotonic()), abort=self._b.mailbox.error_now)
 
     def recv(self, key):
-        right = self._b._right_stream
+        right = self._ring.stream
         pump = getattr(right, "pump", None)  # a shared-memory outbound writes queued frames while we wait
-        if self._b._shm_in is not None:
-            item = self._b._shm_in.take((self._seq,) + tuple(key), self._deadline, self._sig,
-                                        abort=self._b.mailbox.error_now, pump=pump)
+        wkey = (self._seq, links.wire_step(self._rid, key[0]), key[1])
+        if self._ring.shm_in is not None:
+            item = self._ring.shm_in.take(wkey, self._deadline, self._sig, abort=self._b.mailbox.error_now,
+                                          pump=pump)
         else:
-            item = self._b.mailbox.take((self._seq,) + tuple(key), self._deadline, self._left, self._sig,
+            item = self._b.mailbox.take(wkey, self._deadline, self._left, self._sig,
                                         health=right.broken if right is not None else None, pump=pump)
         if item is None:
-            right = self._b._right_stream.broken() if self._b._right_stream else None
-            if right is not None:
-                raise right
+            broken = right.broken() if right is not None else None
+            if broken is not None:
+                raise broken
             arrived, missing, detail = self._b.arrivals(self._seq, self._left)
             raise CollectiveTimeoutError(
                 f"collective #{self._seq} [{self._sig_text}] timed out after {self._timeout:g} s at step "
                 f"{key[0]} chunk {key[1]} waiting for rank {self._left}: arrived: ranks {arrived}; not arrived: "
-                f"{detail}", rank=self.rank, seq=self._seq, waiting_for=missing,
+                f"{detail}", rank=self._b.rank, seq=self._seq, waiting_for=missing,
                 fix="a rank is missing, stuck, or calling a different sequence of collectives; check that "
                     "every rank runs the same code path, or raise the deadline (timeout=, "
                     "CommunicationOptions(timeout_seconds=...), TFCS_TIMEOUT)")
@@ -70,7 +87,7 @@ class _Link:
             theirs = sig.decode(errors="replace")
             raise CollectiveMismatchError(
                 f"collective #{self._seq} mismatch: this rank called [{self._sig_text}] but rank {self._left} "
-                f"called [{theirs}]", rank=self.rank, seq=self._seq, local_signature=self._sig_text,
+                f"called [{theirs}]", rank=self._b.rank, seq=self._seq, local_signature=self._sig_text,
                 remote_signature=theirs, remote_rank=self._left,
                 fix="every rank must issue the same collectives in the same order with the same op, dtype, "
                     "shape and root")
@@ -98,13 +115,14 @@ class GrpcRingBackend(Backend):
         self._seq = 0
         self._busy_s = 0.0  # time spent inside collectives (for step-time splits in benchmarks)
         self._failed: Optional[BaseException] = None
-        self._right_stream: Optional[transport.PeerStream] = None
         self._addresses: List[str] = []
         self._server = None
-        self._socket_server = None
+        self._socket_servers = {}          # "unix" / "tcp" -> SocketServer (one per kind, all rings)
+        self._ring: Optional[links.RingLinks] = None       # the job's ring, every rank in rank order
+        self._host_ring: Optional[links.RingLinks] = None  # hierarchy: the ranks of this host
+        self._leader_ring: Optional[links.RingLinks] = None  # hierarchy: one rank per host
+        self.hierarchical = False
         self._watchdog: Optional[liveness.Watchdog] = None
-        self._shm: Optional[shm_transport.ShmLinks] = None
-        self._shm_in: Optional[shm_transport.ShmReceiver] = None
         self._probes = {}
         self._lost = set()
         self.transport = "none"
@@ -123,47 +141,44 @@ class GrpcRingBackend(Backend):
         # opt-in tcp) between hosts. Decided from the rendezvous' worker facts only, so every rank
         # computes the same list (the chunk size below depends on it).
         requested = socket_transport.parse_transport(g.transport)
-        left, right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
         w = g.workers
-        links = [socket_transport.choose(requested, w[i].local_link_key == w[(i + 1) % self.size].local_link_key,
+        kinds = [socket_transport.choose(requested, w[i].local_link_key == w[(i + 1) % self.size].local_link_key,
                                          w[i].shm_key == w[(i + 1) % self.size].shm_key)
                  for i in range(self.size)]
-        inbound, outbound = links[left], links[self.rank]
         if self.chunk_bytes is None:  # the same on every rank: chunk keys must agree around the ring
-            if "shm" in links:
+            if "shm" in kinds:
                 self.chunk_bytes = config.DEFAULT_SHM_CHUNK_BYTES
-            elif all(k in ("unix", "tcp") for k in links):
+            elif all(k in ("unix", "tcp") for k in kinds):
                 self.chunk_bytes = config.DEFAULT_SOCKET_CHUNK_BYTES
             else:
                 self.chunk_bytes = config.DEFAULT_CHUNK_BYTES
-        if "shm" in (inbound, outbound):
-            local = sum(1 for x in w if x.host_key == w[self.rank].host_key)
-            spin = 50e-6 if (os.cpu_count() or 1) >= local else 0.0  # spinning only helps with a core per rank
-            self._shm = shm_transport.ShmLinks(g.store, self.rank, self.size, inbound == "shm", outbound == "shm",
-                                               [x.pid for x in w], self.describe, self.chunk_bytes,
-                                               g.rendezvous_timeout, spin)
-            self._shm_in = self._shm.receiver
-            if inbound == "shm" and self._shm_in is None:
-                inbound = "unix"
-            if outbound == "shm" and self._shm.sender is None:
-                outbound = "unix"
-        if inbound in ("unix", "tcp"):
-            self._socket_server = socket_transport.SocketServer(self.rank, self.size, inbound, g.bind_host,
-                                                                g.token, self.mailbox, self.describe)
-            addr = self._socket_server.address or f"{g.advertise_host}:{self._socket_server.port}"
-            g.store.set(f"sock/addr/{self.rank}", addr)
         self._addresses = [g.store.get(f"grpc/addr/{i}", g.rendezvous_timeout) for i in range(self.size)]
-        if outbound == "shm":
-            self._right_stream = self._shm.sender
-        elif outbound in ("unix", "tcp"):
-            addr = g.store.get(f"sock/addr/{right}", g.rendezvous_timeout)
-            self._right_stream = socket_transport.SocketStream(addr, g.token, right, self.rank, g.rendezvous_timeout,
-                                                               describe=self.describe)
-        else:
-            self._right_stream = transport.PeerStream(self._addresses[right], g.token, right, self.rank, tls=g.tls,
-                                                      describe=self.describe)
-        self.transport = outbound
-        log.info("tf_commstrategy rank %d: ring data path to rank %d: %s", self.rank, right, outbound)
+        self._ring = links.RingLinks(self, 0, list(range(self.size)), requested)
+        self.transport = self._ring.transport
+        # Hierarchy (several hosts, several ranks on some): all-reduce within each host, then among one
+        # leader per host, then broadcast within the host, as NCCL and MPI do.
+        hosts = {}
+        for x in w:
+            hosts.setdefault(x.local_link_key, []).append(x.rank)
+        groups = sorted(hosts.values())
+        if config.hierarchical_from_env() and len(groups) > 1 and max(len(m) for m in groups) > 1:
+            self.hierarchical = True
+            mine = next(m for m in groups if self.rank in m)
+            self._host_ring = links.RingLinks(self, 1, mine, requested)
+            leaders = [m[0] for m in groups]
+            if self.rank in leaders:
+                self._leader_ring = links.RingLinks(self, 2, leaders, requested)
+
+    def socket_server(self, kind: str):
+        """This rank's server for ``kind`` ("unix" / "tcp") data connections, started on first use."""
+        srv = self._socket_servers.get(kind)
+        if srv is None:
+            g = self.group
+            srv = socket_transport.SocketServer(self.rank, self.size, kind, g.bind_host, g.token, self.mailbox,
+                                                self.describe)
+            self._socket_servers[kind] = srv
+            g.store.set(f"sock/{kind}/{self.rank}", srv.address or f"{g.advertise_host}:{srv.port}")
+        return srv
 
     def address_of(self, rank: int) -> str:
         return self._addresses[rank] if rank < len(self._addresses) else "?"
@@ -191,7 +206,11 @@ class GrpcRingBackend(Backend):
         timeout = config.heartbeat_timeout_from_env()
         if timeout <= 0:
             return
-        neighbours = sorted({(self.rank - 1) % self.size, (self.rank + 1) % self.size} - {self.rank})
+        neighbours = {(self.rank - 1) % self.size, (self.rank + 1) % self.size}
+        for r in (self._host_ring, self._leader_ring):
+            if r is not None and r.size > 1:
+                neighbours |= {r.left, r.right}
+        neighbours = sorted(neighbours - {self.rank})
         probes = {r: self._probe(r) for r in neighbours}
         self._watchdog = liveness.Watchdog(self.rank, neighbours, probes, self.describe, self._peer_lost,
                                            interval=min(1.0, timeout / 4), timeout=timeout,
@@ -240,7 +259,7 @@ class GrpcRingBackend(Backend):
             if self.size == 1:
                 return body(None)
             t0 = time.monotonic()
-            link = _Link(self, seq, sig, t0 + timeout, timeout)
+            link = _Link(self, self._ring, seq, sig, t0 + timeout, timeout)
             try:
                 result = body(link)
                 link.finish()
@@ -309,9 +328,34 @@ class GrpcRingBackend(Backend):
         ce = self._chunk_elems(buf.dtype, op)
 
         def body(link):
+            if link is not None and self.hierarchical:
+                return self._hierarchical_allreduce(link, flat, op, ce, src).reshape(buf.shape)
             return ring.allreduce(link or _Single(), flat, op, ce, self.small_bytes, src=src).reshape(buf.shape)
         result = self._run(sig, timeout, body)
         return out if out is not None else result
+
+    def _hierarchical_allreduce(self, link, flat, op: ReduceOp, ce: int, src):
+        """All-reduce within this host, then among the hosts' leaders, then broadcast within the host.
+
+        MEAN is summed all the way and divided once at the end (the host groups may differ in size).
+        """
+        wide = needs_wide_accumulator(flat.dtype, op)
+        inner = ReduceOp.SUM if op is ReduceOp.MEAN else op
+        work = flat
+        if wide:  # float16 / bfloat16: accumulate in float32 through both reductions, round once
+            work = (src if src is not None else flat).astype(np.float32)
+            src = None
+        ring.allreduce(link.on(self._host_ring) if self._host_ring.size > 1 else _Single(), work, inner,
+                       self._chunk_elems(work.dtype), src=src)
+        if self._leader_ring is not None and self._leader_ring.size > 1:
+            ring.allreduce(link.on(self._leader_ring), work, inner, self._chunk_elems(work.dtype))
+        if self._host_ring.size > 1:
+            ring.broadcast(link.on(self._host_ring, phase_id=3), work, 0, self._chunk_elems(work.dtype))
+        if op is ReduceOp.MEAN:
+            finish_mean(work, self.size)
+        if wide:
+            flat[...] = work
+        return flat
 
     def reduce_scatter(self, buf: np.ndarray, op: ReduceOp, timeout=None) -> np.ndarray:
         if buf.ndim == 0:
@@ -391,19 +435,16 @@ class GrpcRingBackend(Backend):
         for p in self._probes.values():
             p.close()
         self._probes = {}
-        if self._right_stream is not None:
-            self._right_stream.close()
-            self._right_stream = None
+        for r in (self._ring, self._host_ring, self._leader_ring):
+            if r is not None:
+                r.close()
+        self._ring = self._host_ring = self._leader_ring = None
         if self._server is not None:
             self._server.stop()
             self._server = None
-        if self._socket_server is not None:
-            self._socket_server.stop()
-            self._socket_server = None
-        if self._shm_in is not None:
-            self._shm_in.close()
-            self._shm_in = None
-        self._shm = None
+        for srv in self._socket_servers.values():
+            srv.stop()
+        self._socket_servers = {}
 
 
 class _Single:

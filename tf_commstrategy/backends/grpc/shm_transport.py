@@ -461,10 +461,11 @@ class ShmLinks:
     them (or given up), so nothing stays in /dev/shm.
     """
 
-    def __init__(self, store, rank: int, size: int, want_in: bool, want_out: bool, pids, describe,
-                 chunk_bytes: int, timeout: float, spin_s: float):
-        self.rank, self.size = rank, size
-        left, right = (rank - 1) % size, (rank + 1) % size
+    def __init__(self, store, rank: int, left: int, right: int, want_in: bool, want_out: bool, pids, describe,
+                 chunk_bytes: int, timeout: float, spin_s: float, prefix: str = "shm"):
+        """``left`` / ``right``: the global ranks of this ring's neighbours; ``prefix`` names this ring's
+        keys in the store (one set of links per ring: the job's ring, and the hierarchy's sub-rings)."""
+        self.rank = rank
         self.sender: Optional[ShmSender] = None
         self.receiver: Optional[ShmReceiver] = None
         reason = None
@@ -491,23 +492,23 @@ class ShmLinks:
                     bell = ring = None
         mine = {"bell": bell.path if bell else None, "ring": ring.path if ring else None, "why": reason}
         import json
-        store.set(f"shm/seg/{rank}", json.dumps(mine))
+        store.set(f"{prefix}/seg/{rank}", json.dumps(mine))
         self.fallback_reason = reason
         my_bell = Bell(bell) if bell else None
         # the left neighbour's bell: I ring it when I free space in my ring
         left_bell = None
         if want_in and my_bell is not None:
-            theirs = json.loads(store.get(f"shm/seg/{left}", timeout))
+            theirs = json.loads(store.get(f"{prefix}/seg/{left}", timeout))
             try:
                 left_bell = Bell(Segment.attach(theirs["bell"])) if theirs["bell"] else None
             except OSError as e:
                 self.fallback_reason = f"cannot map rank {left}'s bell: {e}"
         if want_in:
-            store.set(f"shm/bellok/{rank}", "1" if left_bell is not None else "0")
+            store.set(f"{prefix}/bellok/{rank}", "1" if left_bell is not None else "0")
         # my outbound: map the right neighbour's ring and bell
         out_ok = False
         if want_out:
-            theirs = json.loads(store.get(f"shm/seg/{right}", timeout))
+            theirs = json.loads(store.get(f"{prefix}/seg/{right}", timeout))
             right_ring = right_bell = None
             if my_bell is not None and theirs["ring"] and theirs["bell"]:
                 try:
@@ -517,9 +518,9 @@ class ShmLinks:
                     self.fallback_reason = f"cannot map rank {right}'s segments: {e}"
             elif theirs.get("why"):
                 self.fallback_reason = f"rank {right}: {theirs['why']}"
-            bell_ok = store.get(f"shm/bellok/{right}", timeout) == "1"
+            bell_ok = store.get(f"{prefix}/bellok/{right}", timeout) == "1"
             out_ok = right_ring is not None and bell_ok
-            store.set(f"shm/link/{right}", "1" if out_ok else "0")
+            store.set(f"{prefix}/link/{right}", "1" if out_ok else "0")
             if out_ok:
                 self.sender = ShmSender(right_ring, right_bell, _Waiter(my_bell, right, pids[right], rank, describe,
                                                                         spin_s), rank, right)
@@ -528,7 +529,7 @@ class ShmLinks:
                     if seg is not None:
                         seg.close()
         if want_in:
-            in_ok = store.get(f"shm/link/{rank}", timeout) == "1"
+            in_ok = store.get(f"{prefix}/link/{rank}", timeout) == "1"
             if in_ok:
                 self.receiver = ShmReceiver(ring, left_bell, _Waiter(my_bell, left, pids[left], rank, describe,
                                                                     spin_s), rank, left)

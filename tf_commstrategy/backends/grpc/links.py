@@ -1,0 +1,90 @@
+"""The connections of one ring: who is left and right of this rank, and the data path to each.
+
+The backend builds one ``RingLinks`` for the job's ring (every rank, in rank order) and, for the
+hierarchical all-reduce, one per host (the ranks of a host) and one among the hosts' leaders. Each
+ring has an id that namespaces its frames (``wire_step``) and its setup keys in the store, so the
+rings share the rank's receive side (mailbox, data servers) without mixing their messages.
+
+The data path of each neighbour pair follows ``socket_transport.choose``: shared memory when the
+two share a host's memory, else Unix sockets on one host, gRPC (or opt-in TCP) between hosts; the
+choice is computed from the rendezvous' worker facts only, so both ends always agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import List, Optional
+
+from . import shm_transport, socket_transport, transport
+
+log = logging.getLogger("tf_commstrategy")
+
+#: Ring ids live in the high bits of a frame's step field (ring steps stay far below 2**20).
+STEP_BITS = 20
+
+
+def wire_step(ring_id: int, step: int) -> int:
+    return (ring_id << STEP_BITS) | step
+
+
+class RingLinks:
+    """This rank's place in one ring (``members``: global ranks in ring order) and its two links."""
+
+    def __init__(self, backend, ring_id: int, members: List[int], requested: str):
+        g = backend.group
+        self.ring_id = ring_id
+        self.members = list(members)
+        self.rank = members.index(backend.rank)  # position in this ring (what core.ring calls rank)
+        self.size = len(members)
+        self.left = members[(self.rank - 1) % self.size]    # global ranks of the neighbours
+        self.right = members[(self.rank + 1) % self.size]
+        self.stream = None
+        self.shm_in: Optional[shm_transport.ShmReceiver] = None
+        self._shm: Optional[shm_transport.ShmLinks] = None
+        self.transport = "none"
+        if self.size == 1:
+            return
+        w = g.workers
+        pairs = [(members[i], members[(i + 1) % self.size]) for i in range(self.size)]
+        kinds = [socket_transport.choose(requested, w[a].local_link_key == w[b].local_link_key,
+                                         w[a].shm_key == w[b].shm_key) for a, b in pairs]
+        inbound, outbound = kinds[(self.rank - 1) % self.size], kinds[self.rank]
+        if "shm" in (inbound, outbound):
+            local = sum(1 for x in w if x.host_key == w[backend.rank].host_key)
+            spin = 50e-6 if (os.cpu_count() or 1) >= local else 0.0  # spinning only helps with a core per rank
+            self._shm = shm_transport.ShmLinks(g.store, backend.rank, self.left, self.right, inbound == "shm",
+                                               outbound == "shm", [x.pid for x in w], backend.describe,
+                                               backend.chunk_bytes, g.rendezvous_timeout, spin,
+                                               prefix=f"shm{ring_id}")
+            self.shm_in = self._shm.receiver
+            if inbound == "shm" and self.shm_in is None:
+                inbound = "unix"
+            if outbound == "shm" and self._shm.sender is None:
+                outbound = "unix"
+        if inbound in ("unix", "tcp"):
+            backend.socket_server(inbound)  # publishes its address for the left neighbour
+        if outbound == "shm":
+            self.stream = self._shm.sender
+        elif outbound in ("unix", "tcp"):
+            addr = g.store.get(f"sock/{outbound}/{self.right}", g.rendezvous_timeout)
+            self.stream = socket_transport.SocketStream(addr, g.token, self.right, backend.rank,
+                                                        g.rendezvous_timeout, describe=backend.describe)
+        else:
+            self.stream = transport.PeerStream(backend.address_of(self.right), g.token, self.right, backend.rank,
+                                               tls=g.tls, describe=backend.describe)
+        self.transport = outbound
+        if ring_id == 0:
+            log.info("tf_commstrategy rank %d: ring data path to rank %d: %s", backend.rank, self.right, outbound)
+        else:
+            log.info("tf_commstrategy rank %d: hierarchy: %s link to rank %d: %s", backend.rank,
+                     "host-ring" if ring_id == 1 else "leader-ring", self.right, outbound)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        if self.shm_in is not None:
+            self.shm_in.close()
+            self.shm_in = None
+        self._shm = None
