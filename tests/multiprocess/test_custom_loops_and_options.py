@@ -150,3 +150,56 @@ def test_per_call_options_reach_the_matching_backend():
         for k in ("nccl_tf", "nccl_ours"):
             assert "BackendUnavailableError" in out[k] and "backend 'nccl' cannot run here" in out[k], out[k]
             assert "cupy" in out[k] or "GPU" in out[k]
+
+
+def _unwrap(rank, size):
+    import os
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    import tensorflow as tf
+    import tf_commstrategy as tfcs
+    tfcs.init(timeout=30)
+
+    @tf.function
+    def step(x):
+        return tfcs.allreduce(x)
+
+    step(tf.ones([3]))  # fine
+    try:
+        with tfcs.unwrap_errors():
+            step(tf.ones([3 + rank]))  # ranks disagree on the shape
+    except tfcs.CollectiveMismatchError as e:
+        return "typed", isinstance(e.__cause__, tf.errors.OpError)
+    except tf.errors.OpError:
+        return "tf error", False
+    return "no error", False
+
+
+def test_unwrap_errors_gives_the_typed_error_in_a_custom_loop():
+    assert run_workers(_unwrap, 2, timeout=120) == [("typed", True)] * 2
+
+
+def _per_call_transport(rank, size):
+    import os
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    import tensorflow as tf
+    import tf_commstrategy as tfcs
+    strategy = tfcs.CommStrategy(communication_options=tfcs.CommOptions(transport="unix"))
+    from tf_commstrategy.process import default_group
+    used = default_group().backend("grpc").transport
+
+    def fn(v, options):
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce("sum", v, options=options)
+    same = strategy.run(fn, args=(tf.constant([1.0 + rank]), tfcs.CommOptions(transport="unix")))
+    try:
+        strategy.run(fn, args=(tf.constant([1.0]), tfcs.CommOptions(transport="tcp")))
+        other = "accepted"
+    except tfcs.ConfigurationError as e:
+        other = str(e)
+    return used, float(strategy.experimental_local_results(same)[0].numpy()[0]), other
+
+
+def test_transport_from_strategy_options_and_per_call_check():
+    for used, value, other in run_workers(_per_call_transport, 2, timeout=120):
+        assert used == "unix" and value == 3.0
+        assert "transport" in other and "when the job started" in other
