@@ -95,6 +95,22 @@ class Futex:
 _futex: Optional[Futex] = None
 
 
+def _load_atomic_add():
+    """libatomic's ``__atomic_fetch_add_4`` (sequentially consistent), or None where it is missing."""
+    try:
+        lib = ctypes.CDLL("libatomic.so.1")
+        fn = lib.__atomic_fetch_add_4
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
+    fn.restype = ctypes.c_uint32
+    return fn
+
+
+_atomic_add = _load_atomic_add()
+_SEQ_CST = 5
+
+
 def futex() -> Futex:
     global _futex
     if _futex is None:
@@ -223,17 +239,29 @@ class Bell:
         return int(self._word[0])
 
     def ring(self) -> None:
-        self._word[0] += 1  # only the two neighbours ring: a lost increment still changes the value
+        # Both neighbours ring this bell: an atomic increment never loses one (without libatomic a lost
+        # increment can only delay a waiter to its next 50 ms slice, never hang it).
+        if _atomic_add is not None:
+            _atomic_add(self._addr, 1, _SEQ_CST)
+        else:
+            self._word[0] += 1
         futex().wake(self._addr)
 
     def wait(self, seen: int, timeout_s: float) -> None:
         futex().wait(self._addr, seen, timeout_s)
 
 
+_fence_word = ctypes.c_uint32(0)
+
+
 def _fence() -> None:
-    """Order the frame's bytes before ``head`` (and ``head`` before reading the frame) off x86."""
+    """Order the frame's bytes before ``head`` (and ``head`` before reading the frame) off x86, where
+    stores are not kept in order: a sequentially consistent atomic is a full barrier."""
     if not _X86:
-        futex().wake(0)  # any futex syscall is a full memory barrier; waking address 0 is a no-op (EFAULT)
+        if _atomic_add is not None:
+            _atomic_add(ctypes.addressof(_fence_word), 0, _SEQ_CST)
+        else:
+            futex().wake(ctypes.addressof(_fence_word))  # the syscall orders memory as well
 
 
 class _Waiter:
