@@ -104,9 +104,10 @@ class GrpcRingBackend(Backend):
         self.rank = group.rank
         self.size = group.size
         self.chunk_bytes = group.chunk_bytes
-        self.small_bytes = config.small_bytes_from_env()
-        if self.chunk_bytes is None and self.size == 1:
-            self.chunk_bytes = config.DEFAULT_CHUNK_BYTES
+        self.small_bytes = config.small_bytes_from_env()  # None: decided with the links (_connect)
+        if self.size == 1:
+            self.chunk_bytes = self.chunk_bytes or config.DEFAULT_CHUNK_BYTES
+            self.small_bytes = self.small_bytes or 0
         self.mailbox = wire.Mailbox()
         self.mailbox.on_reject = lambda what: log.warning(
             "tf_commstrategy rank %d: dropped a data frame that names no current collective (%s); further "
@@ -152,6 +153,9 @@ class GrpcRingBackend(Backend):
                 self.chunk_bytes = config.DEFAULT_SOCKET_CHUNK_BYTES
             else:
                 self.chunk_bytes = config.DEFAULT_CHUNK_BYTES
+        if self.small_bytes is None:  # the same on every rank too: it picks the algorithm
+            self.small_bytes = (config.DEFAULT_SHM_SMALL_BYTES if all(k == "shm" for k in kinds)
+                                else config.DEFAULT_SMALL_BYTES)
         self._addresses = [g.store.get(f"grpc/addr/{i}", g.rendezvous_timeout) for i in range(self.size)]
         self._ring = links.RingLinks(self, 0, list(range(self.size)), requested)
         self.transport = self._ring.transport
