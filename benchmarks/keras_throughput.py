@@ -140,7 +140,7 @@ def main():
           f"{a.steps} timed steps\n")
     print("| job | samples/s (global) | step time | vs MWMS | fraction of ceiling |")
     print("|---|---|---|---|---|")
-    rows = [("tfcs CommStrategy (unix-socket ring)", t)]
+    rows = [("tfcs CommStrategy (default transport: shared memory)", t)]
     if "tfcs-grpc" in res:
         rows.append(("tfcs CommStrategy (gRPC ring)", res["tfcs-grpc"]))
     rows += [("TF MultiWorkerMirroredStrategy (RING)", m), ("ceiling: independent processes", c)]
