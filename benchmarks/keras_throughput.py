@@ -39,6 +39,10 @@ def worker(mode, steps, out):
         tf.config.threading.set_inter_op_parallelism_threads(int(threads))
     n = int(os.environ.get("TFCS_WORLD_SIZE", "1"))
     rank = int(os.environ.get("TFCS_RANK", "0"))
+    if os.environ.get("TFCS_BENCH_PIN") == "1":  # every job alike: worker r on core r (mod the cores)
+        cores = sorted(os.sched_getaffinity(0))
+        slot = int(os.environ.get("TFCS_BENCH_SLOT", rank))
+        os.sched_setaffinity(0, {cores[slot % len(cores)]})
     if mode.startswith("tfcs"):
         import tf_commstrategy as tfcs
         strategy = tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
@@ -103,7 +107,8 @@ def run_mode(mode, n, steps):
         ports = _free_ports(n)
         procs = []
         for r in range(n):
-            env = dict(os.environ, TFCS_RANK=str(r), TFCS_WORLD_SIZE=str(n) if mode == "mwms" else "1")
+            env = dict(os.environ, TFCS_RANK=str(r), TFCS_WORLD_SIZE=str(n) if mode == "mwms" else "1",
+                       TFCS_BENCH_SLOT=str(r))
             if mode == "mwms":
                 env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                                "task": {"type": "worker", "index": r}})
