@@ -33,6 +33,8 @@ import textwrap
 import time
 from typing import Dict, List, Optional, Sequence
 
+from tf_commstrategy.backends.grpc.shm_transport import pid_alive
+
 PREFIX = "tfcs-"
 _counter = itertools.count()
 _NAME_RE = re.compile(r"^tfcs-(\d+)-\d+-(?:\d+|br)$")
@@ -74,16 +76,6 @@ def _netns_names() -> List[str]:
     return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_inside(ns: str) -> None:
     """SIGKILL every process still running inside namespace ``ns`` (by pid)."""
     p = _ip("netns", "pids", ns, check=False)
@@ -113,10 +105,10 @@ def cleanup_stale() -> List[str]:
     removed = []
     for ns in _netns_names():
         m = _NAME_RE.match(ns)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             _delete(ns)
             removed.append(ns)
-        elif ns.startswith(PREFIX) and ns.endswith("-probe") and not _pid_alive(int(ns.split("-")[1])):
+        elif ns.startswith(PREFIX) and ns.endswith("-probe") and not pid_alive(int(ns.split("-")[1])):
             _delete(ns)
             removed.append(ns)
     return removed

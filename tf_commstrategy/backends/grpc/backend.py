@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import List, Optional
@@ -143,9 +142,7 @@ class GrpcRingBackend(Backend):
         # computes the same list (the chunk size below depends on it).
         requested = socket_transport.parse_transport(g.transport)
         w = g.workers
-        kinds = [socket_transport.choose(requested, w[i].local_link_key == w[(i + 1) % self.size].local_link_key,
-                                         w[i].shm_key == w[(i + 1) % self.size].shm_key)
-                 for i in range(self.size)]
+        kinds = links.link_kinds(w, list(range(self.size)), requested)
         if self.chunk_bytes is None:  # the same on every rank: chunk keys must agree around the ring
             if "shm" in kinds:
                 self.chunk_bytes = config.DEFAULT_SHM_CHUNK_BYTES

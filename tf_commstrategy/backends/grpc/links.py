@@ -28,6 +28,15 @@ def wire_step(ring_id: int, step: int) -> int:
     return (ring_id << STEP_BITS) | step
 
 
+def link_kinds(workers, members: List[int], requested: str) -> List[str]:
+    """The data path of each pair (members[i] -> members[i + 1]) of a ring, from the rendezvous'
+    worker facts only: every rank computes the same list."""
+    n = len(members)
+    pairs = [(workers[members[i]], workers[members[(i + 1) % n]]) for i in range(n)]
+    return [socket_transport.choose(requested, a.local_link_key == b.local_link_key, a.shm_key == b.shm_key)
+            for a, b in pairs]
+
+
 class RingLinks:
     """This rank's place in one ring (``members``: global ranks in ring order) and its two links."""
 
@@ -46,9 +55,7 @@ class RingLinks:
         if self.size == 1:
             return
         w = g.workers
-        pairs = [(members[i], members[(i + 1) % self.size]) for i in range(self.size)]
-        kinds = [socket_transport.choose(requested, w[a].local_link_key == w[b].local_link_key,
-                                         w[a].shm_key == w[b].shm_key) for a, b in pairs]
+        kinds = link_kinds(w, members, requested)
         inbound, outbound = kinds[(self.rank - 1) % self.size], kinds[self.rank]
         if "shm" in (inbound, outbound):
             local = sum(1 for x in w if x.host_key == w[backend.rank].host_key)

@@ -34,6 +34,7 @@ for the segment (containers default to 64 MiB) is found when the space is reserv
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import mmap
 import os
@@ -47,6 +48,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ...errors import CollectiveTimeoutError, PeerLostError
+from . import wire
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -59,7 +61,6 @@ MAGIC_FRAME = 0x54464653  # "SFFT"
 MAGIC_WRAP = 0x57524150   # "PARW"
 HEAD, TAIL, CLOSED = 0, 8, 16  # indices into the segment header viewed as uint64 (offsets 0, 64, 128)
 BELL_BYTES = 4096
-GONE_GRACE_S = 0.5
 YIELD_S = 0.002
 SLICE_S = 0.05   # longest sleep between checks of the abort state / the peer / the deadline
 
@@ -285,7 +286,7 @@ class _Waiter:
     def explain(self, error: BaseException, abort) -> BaseException:
         """A neighbour that failed itself reports why (Abort, over gRPC) before it goes: wait a moment
         for that report, so this rank raises the real cause rather than blaming the neighbour."""
-        end = time.monotonic() + GONE_GRACE_S
+        end = time.monotonic() + wire.GONE_GRACE_S
         while abort is not None:
             problem = abort()
             if problem is not None:
@@ -527,7 +528,6 @@ class ShmLinks:
                             seg.close()
                     bell = ring = None
         mine = {"bell": bell.path if bell else None, "ring": ring.path if ring else None, "why": reason}
-        import json
         store.set(f"{prefix}/seg/{rank}", json.dumps(mine))
         self.fallback_reason = reason
         my_bell = Bell(bell) if bell else None
