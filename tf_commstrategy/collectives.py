@@ -22,7 +22,8 @@ def _is_tf(x) -> bool:
 
 
 def _is_device_array(x) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
+    from .core.auto import is_device_array
+    return is_device_array(x)
 
 
 def _as_array(x, what: str):
@@ -39,6 +40,33 @@ def _as_array(x, what: str):
     if arr.dtype == object:
         raise UnsupportedOperationError(f"{what} got an object array", fix="pass a numeric array")
     return arr
+
+
+def _check(arr, op=None) -> None:
+    try:
+        dtype = np.dtype(arr.dtype)
+    except TypeError:  # a framework's own dtype object (a torch GPU tensor): the device backend checks it
+        return
+    check_dtype(dtype, op)
+
+
+def _same(r):
+    return r
+
+
+def _staged(b, x):
+    """``(operand for b, back)``: a GPU array meeting a host backend (grpc) goes through host memory
+    (as Horovod does without NCCL); ``back`` turns the result into what the caller gets back."""
+    if b.name != "nccl" and _is_device_array(x):
+        from .backends.nccl.buffers import to_host
+        return to_host(x)
+    return x, _same
+
+
+def _run_batch(b, method: str, arrs: List, *args) -> List:
+    pairs = [_staged(b, a) for a in arrs]
+    results = getattr(b, method)([p[0] for p in pairs], *args)
+    return [p[1](r) for p, r in zip(pairs, results)]
 
 
 def _backend(name, buf):
@@ -83,10 +111,11 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
         return tensor_ops.allreduce(x, op, backend=backend, timeout=timeout)
     op = ReduceOp.parse(op)
     arr = _as_array(x, "allreduce")
-    check_dtype(arr.dtype, op)
+    _check(arr, op)
     b = _backend(backend, arr)
     if out is None:
-        return b.allreduce(arr, op, timeout)
+        a, back = _staged(b, arr)
+        return back(b.allreduce(a, op, timeout))
     if not getattr(b, "supports_out", False) or not isinstance(out, np.ndarray):
         raise UnsupportedOperationError(f"out= is supported for numpy arrays on the grpc backend, not for "
                                         f"{type(out).__name__} on {b.name}",
@@ -125,8 +154,8 @@ def grouped_allreduce(xs: Sequence, op="sum", *, backend: Optional[str] = None,
     if not arrs:
         return []
     for a in arrs:
-        check_dtype(a.dtype, op)
-    return _backend(backend, arrs[0]).batch_allreduce(arrs, op, timeout)
+        _check(a, op)
+    return _run_batch(_backend(backend, arrs[0]), "batch_allreduce", arrs, op, timeout)
 
 
 def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: Optional[float] = None):
@@ -156,8 +185,10 @@ def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: 
         return tensor_ops.broadcast(x, root_rank, backend=backend, timeout=timeout)
     root = _check_root(root_rank)
     arr = _as_array(x, "broadcast")
-    check_dtype(arr.dtype)
-    return _backend(backend, arr).broadcast(arr, root, timeout)
+    _check(arr)
+    b = _backend(backend, arr)
+    a, back = _staged(b, arr)
+    return back(b.broadcast(a, root, timeout))
 
 
 def grouped_broadcast(xs: Sequence, root_rank: int = 0, *, backend: Optional[str] = None,
@@ -188,8 +219,8 @@ def grouped_broadcast(xs: Sequence, root_rank: int = 0, *, backend: Optional[str
     if not arrs:
         return []
     for a in arrs:
-        check_dtype(a.dtype)
-    return _backend(backend, arrs[0]).batch_broadcast(arrs, root, timeout)
+        _check(a)
+    return _run_batch(_backend(backend, arrs[0]), "batch_broadcast", arrs, root, timeout)
 
 
 def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = None):
@@ -216,8 +247,10 @@ def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = No
         from .tf import tensor_ops
         return tensor_ops.allgather(x, backend=backend, timeout=timeout)
     arr = _as_array(x, "allgather")
-    check_dtype(arr.dtype)
-    return _backend(backend, arr).allgather(arr, timeout)
+    _check(arr)
+    b = _backend(backend, arr)
+    a, back = _staged(b, arr)
+    return back(b.allgather(a, timeout))
 
 
 def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
@@ -248,8 +281,10 @@ def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optio
         return tensor_ops.reduce_scatter(x, op, backend=backend, timeout=timeout)
     op = ReduceOp.parse(op)
     arr = _as_array(x, "reduce_scatter")
-    check_dtype(arr.dtype, op)
-    return _backend(backend, arr).reduce_scatter(arr, op, timeout)
+    _check(arr, op)
+    b = _backend(backend, arr)
+    a, back = _staged(b, arr)
+    return back(b.reduce_scatter(a, op, timeout))
 
 
 def barrier(*, backend: Optional[str] = None, timeout: Optional[float] = None) -> None:

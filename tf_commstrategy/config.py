@@ -184,3 +184,11 @@ def _positive_float(s: str) -> float:
     if not v > 0:
         raise ValueError("must be > 0")
     return v
+
+
+def nccl_check_from_env(environ=None) -> bool:
+    """``TFCS_NCCL_CHECK``: 1 (default) checks, before every nccl collective, that all ranks make the
+    same call (one 16-byte all-reduce); 0 skips the check (a mismatched call then hangs until the
+    deadline or corrupts data, as in plain NCCL)."""
+    return env_value("TFCS_NCCL_CHECK", lambda s: s.strip().lower() not in ("0", "false", "no", "off"), True,
+                     environ)

@@ -8,9 +8,21 @@ log = logging.getLogger("tf_commstrategy")
 _announced = set()
 
 
+def is_device_array(buf) -> bool:
+    """True for GPU arrays outside TF: cupy arrays, our ``Bfloat16Array``, CUDA DLPack producers."""
+    if type(buf).__module__.split(".")[0] == "cupy" or getattr(type(buf), "__tfcs_device_buffer__", False):
+        return True
+    dev = getattr(buf, "__dlpack_device__", None)
+    if dev is None or type(buf).__module__.startswith("tensorflow"):
+        return False
+    try:
+        return int(dev()[0]) in (2, 13)  # kDLCUDA, kDLCUDAManaged
+    except Exception:
+        return False
+
+
 def is_gpu_buffer(buf) -> bool:
-    mod = type(buf).__module__.split(".")[0]
-    if mod == "cupy":
+    if is_device_array(buf):
         return True
     dev = getattr(buf, "device", None)  # a tf.Tensor's device string, e.g. '/job:.../device:GPU:0'
     return isinstance(dev, str) and "GPU" in dev.upper()

@@ -32,6 +32,14 @@ def _values(v) -> List:
     return list(v.values) if isinstance(v, value_lib.DistributedValues) else [v]
 
 
+def _array_module(a):
+    """numpy for host arrays, cupy for the nccl path's device arrays."""
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
 def _buckets(arrs: List[np.ndarray], bytes_per_pack: int) -> List[List[int]]:
     if not bytes_per_pack or bytes_per_pack <= 0:
         return [list(range(len(arrs)))]
@@ -142,18 +150,16 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
     def _cross_worker_sum(self, tensors, merged, backend) -> List[tf.Tensor]:
         timeout = merged.timeout_seconds
         pack = merged.bytes_per_pack
-        group = tensor_ops.default_group()
 
-        def body(arrs):
-            b = group.resolve_backend(backend, arrs[0])
+        def call(b, arrs):
             out: List = [None] * len(arrs)
             for bucket in _buckets(arrs, pack):
                 for j, r in zip(bucket, b.batch_allreduce([arrs[j] for j in bucket], ReduceOp.SUM, timeout)):
                     out[j] = r
             return out
 
-        return tensor_ops.run_numpy(body, tensors, [t.dtype for t in tensors], [t.shape for t in tensors],
-                                    name="tfcs_batch_allreduce")
+        return tensor_ops.run_collective(call, backend, tensors, [t.dtype for t in tensors],
+                                         [t.shape for t in tensors], name="tfcs_batch_allreduce")
 
     @staticmethod
     def _divide(t, n):
@@ -191,15 +197,18 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
 
     def _allgather_many(self, tensors, merged, backend, axis=0):
         timeout = merged.timeout_seconds
-        group = tensor_ops.default_group()
 
-        def body(arrs):
-            b = group.resolve_backend(backend, arrs[0])
+        def call(b, arrs):
             res = []
             for a in arrs:
-                moved = np.moveaxis(a, axis, 0) if a.ndim and axis else a
-                g = b.allgather(np.ascontiguousarray(moved), timeout)
-                res.append(np.ascontiguousarray(np.moveaxis(g, 0, axis)) if a.ndim and axis else g)
+                wrap = type(a) if getattr(type(a), "__tfcs_device_buffer__", False) else None  # Bfloat16Array
+                a = a.data if wrap else a
+                xp = _array_module(a)
+                moved = xp.ascontiguousarray(xp.moveaxis(a, axis, 0) if a.ndim and axis else a)
+                g = b.allgather(wrap(moved) if wrap else moved, timeout)
+                g = g.data if wrap else g
+                g = xp.ascontiguousarray(xp.moveaxis(g, 0, axis)) if a.ndim and axis else g
+                res.append(wrap(g) if wrap else g)
             return res
 
         shapes = []
@@ -208,7 +217,8 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
             if s is not None and s:
                 s[axis] = None
             shapes.append(tf.TensorShape(s))
-        return tensor_ops.run_numpy(body, tensors, [t.dtype for t in tensors], shapes, name="tfcs_allgather")
+        return tensor_ops.run_collective(call, backend, tensors, [t.dtype for t in tensors], shapes,
+                                         name="tfcs_allgather")
 
     # -- gather / broadcast ------------------------------------------------------------------------
     def _gather_implementation(self, per_replica_value, destinations, axis, options):

@@ -128,6 +128,17 @@ def _backend(name, arr=None):
     return default_group().resolve_backend(name, arr if arr is not None else np.empty(0))
 
 
+def run_collective(call: Callable, backend: Optional[str], tensors: Sequence[tf.Tensor],
+                   out_dtypes: Sequence[tf.DType], out_shapes: Sequence, name: str) -> List[tf.Tensor]:
+    """``call(backend_object, arrays) -> arrays`` on the host (numpy, grpc), or on the GPU (cupy,
+    nccl; see ``device_path``) when the call's backend is nccl on GPU tensors."""
+    from .device_path import run_device, use_device_path
+    if use_device_path(backend, tensors):
+        nccl = default_group().backend("nccl")
+        return run_device(lambda arrs: call(nccl, arrs), tensors, out_dtypes, out_shapes, name=name)
+    return run_numpy(lambda arrs: call(_backend(backend, arrs[0]), arrs), tensors, out_dtypes, out_shapes, name=name)
+
+
 def _tensor(x):
     return tf.convert_to_tensor(x)
 
@@ -151,8 +162,8 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
     op = ReduceOp.parse(op)
     t = _tensor(x)
     check_dtype(t.dtype.as_numpy_dtype, op)
-    out, = run_numpy(lambda a: [_backend(backend, a[0]).allreduce(a[0], op, timeout)], [t], [t.dtype], [t.shape],
-                     name="tfcs_allreduce")
+    out, = run_collective(lambda b, a: [b.allreduce(a[0], op, timeout)], backend, [t], [t.dtype], [t.shape],
+                          name="tfcs_allreduce")
     return out
 
 
@@ -176,8 +187,8 @@ def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, time
     ts = [_tensor(x) for x in xs]
     for t in ts:
         check_dtype(t.dtype.as_numpy_dtype, op)
-    return run_numpy(lambda arrs: _backend(backend, arrs[0]).batch_allreduce(arrs, op, timeout), ts,
-                     [t.dtype for t in ts], [t.shape for t in ts], name="tfcs_grouped_allreduce")
+    return run_collective(lambda b, arrs: b.batch_allreduce(arrs, op, timeout), backend, ts,
+                          [t.dtype for t in ts], [t.shape for t in ts], name="tfcs_grouped_allreduce")
 
 
 def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: Optional[float] = None):
@@ -203,8 +214,8 @@ def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: 
                                  rank=default_group().rank, fix=f"use a root in 0..{n - 1}")
     t = _tensor(x)
     check_dtype(t.dtype.as_numpy_dtype)
-    out, = run_numpy(lambda a: [_backend(backend, a[0]).broadcast(a[0], int(root_rank), timeout)], [t], [t.dtype],
-                     [t.shape], name="tfcs_broadcast")
+    out, = run_collective(lambda b, a: [b.broadcast(a[0], int(root_rank), timeout)], backend, [t], [t.dtype],
+                          [t.shape], name="tfcs_broadcast")
     return out
 
 
@@ -226,8 +237,8 @@ def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = No
     t = _tensor(x)
     check_dtype(t.dtype.as_numpy_dtype)
     shape = tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape([None])
-    out, = run_numpy(lambda a: [_backend(backend, a[0]).allgather(a[0], timeout)], [t], [t.dtype], [shape],
-                     name="tfcs_allgather")
+    out, = run_collective(lambda b, a: [b.allgather(a[0], timeout)], backend, [t], [t.dtype], [shape],
+                          name="tfcs_allgather")
     return out
 
 
@@ -251,6 +262,6 @@ def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optio
     t = _tensor(x)
     check_dtype(t.dtype.as_numpy_dtype, op)
     shape = tf.TensorShape([None]).concatenate(t.shape[1:])
-    out, = run_numpy(lambda a: [_backend(backend, a[0]).reduce_scatter(a[0], op, timeout)], [t], [t.dtype],
-                     [shape], name="tfcs_reduce_scatter")
+    out, = run_collective(lambda b, a: [b.reduce_scatter(a[0], op, timeout)], backend, [t], [t.dtype],
+                          [shape], name="tfcs_reduce_scatter")
     return out

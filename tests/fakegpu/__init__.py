@@ -1,0 +1,224 @@
+"""A stand-in for cupy + NCCL on machines without a GPU, for testing the nccl backend's own logic.
+
+``install()`` puts modules named ``cupy``, ``cupy.cuda`` and ``cupy.cuda.nccl`` into
+``sys.modules``. Their "GPU arrays" are numpy arrays in host memory (``ndarray``, whose module
+claims to be cupy); their ``NcclCommunicator`` runs every collective for real across the job's
+processes over tf_commstrategy's grpc backend, addressed by raw pointers as NCCL is. So the nccl
+backend's code (dtype/op mapping, padding of uneven all-gathers and reduce-scatters, means,
+bfloat16, grouped calls, signature checks, deadlines and aborts) runs unchanged in real
+multi-process jobs, and the tests compare its results with numpy.
+
+What it does NOT test: NCCL itself, CUDA streams, device memory. That is what tests/gpu and
+tests/gpu/run_gpu_checks.sh do on a real GPU.
+
+Fault injection (environment variables, read when a communicator is created):
+  FAKE_NCCL_HANG_AT=k   the k-th collective (0-based) of this rank never completes (its event stays
+                        pending): the backend's deadline must fire and abort the communicator.
+  FAKE_NCCL_ASYNC_ERROR_AT=k   after the k-th collective, check_async_error raises NcclError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import types
+
+import numpy as np
+
+from tf_commstrategy.core.reduce_ops import BFLOAT16, ReduceOp
+
+# -- cupy.cuda.nccl constants (the values of nccl.h) ---------------------------------------------
+_DT = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
+       6: np.float16, 7: np.float32, 8: np.float64, 9: BFLOAT16}
+_OP = {0: ReduceOp.SUM, 1: ReduceOp.PROD, 2: ReduceOp.MAX, 3: ReduceOp.MIN}
+
+# what a test can read back from this process
+log = {"aborted": 0, "destroyed": 0, "collectives": 0, "groups": 0, "uids": []}
+
+
+class _Ptr:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class Device:
+    def __init__(self, device_id=0):
+        self.id = int(device_id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def use(self):
+        return self
+
+
+class ndarray(np.ndarray):
+    """A host array that the code under test takes for a cupy GPU array."""
+
+    @property
+    def data(self):
+        return _Ptr(self.ctypes.data)
+
+    @property
+    def device(self):
+        return Device(0)
+
+    def get(self, stream=None):
+        return np.array(self, copy=True).view(np.ndarray)
+
+    def toDlpack(self):
+        return np.asarray(self).__dlpack__()
+
+
+ndarray.__module__ = "cupy"
+
+
+def _wrap(a):
+    return np.ascontiguousarray(a).view(ndarray)
+
+
+def _view(ptr, count, dtype):
+    dtype = np.dtype(dtype)
+    raw = (ctypes.c_char * (int(count) * dtype.itemsize)).from_address(int(ptr)) if count else None
+    return np.frombuffer(raw, dtype=dtype) if raw is not None else np.empty(0, dtype)
+
+
+class NcclError(RuntimeError):
+    pass
+
+
+class _Event:
+    def __init__(self, block=False, disable_timing=True):
+        self._pending = False
+
+    def record(self, stream=None):
+        self._pending = _state["hung"]
+
+    @property
+    def done(self):
+        return not self._pending
+
+
+_state = {"hung": False, "depth": 0, "queue": []}
+
+
+class NcclCommunicator:
+    def __init__(self, ndev, uid, rank):
+        from tf_commstrategy.process import default_group
+        self._grpc = default_group().backend("grpc")
+        self._rank, self._size = rank, ndev
+        self._count = 0
+        self._hang_at = int(os.environ.get("FAKE_NCCL_HANG_AT", "-1"))
+        self._err_at = int(os.environ.get("FAKE_NCCL_ASYNC_ERROR_AT", "-1"))
+        ids = self._grpc.allgather(np.frombuffer(bytes(uid), dtype=np.uint8).copy())  # every rank joins
+        log["uids"].append(ids.reshape(ndev, -1).tolist())
+        self.alive = True
+
+    # -- collectives on raw pointers, run over the grpc ring --------------------------------------
+    def _submit(self, fn):
+        if _state["depth"]:
+            _state["queue"].append(lambda: self._do(fn))
+        else:
+            self._do(fn)
+
+    def _do(self, fn):
+        if not self.alive:
+            raise NcclError("communicator aborted")
+        if self._count == self._hang_at:
+            _state["hung"] = True
+        self._count += 1
+        log["collectives"] += 1
+        if not _state["hung"]:
+            fn()
+
+    def allReduce(self, send, recv, count, dt, op, stream):
+        def run():
+            r = self._grpc.allreduce(_view(send, count, _DT[dt]).copy(), _OP[op])
+            _view(recv, count, _DT[dt])[:] = r
+        self._submit(run)
+
+    def broadcast(self, send, recv, count, dt, root, stream):
+        def run():
+            r = self._grpc.broadcast(_view(send, count, _DT[dt]).copy(), root)
+            _view(recv, count, _DT[dt])[:] = r
+        self._submit(run)
+
+    def allGather(self, send, recv, count, dt, stream):
+        def run():
+            r = self._grpc.allgather(_view(send, count, _DT[dt]).copy())
+            _view(recv, count * self._size, _DT[dt])[:] = r
+        self._submit(run)
+
+    def reduceScatter(self, send, recv, count, dt, op, stream):
+        def run():
+            full = self._grpc.allreduce(_view(send, count * self._size, _DT[dt]).copy(), _OP[op])
+            _view(recv, count, _DT[dt])[:] = full[self._rank * count:(self._rank + 1) * count]
+        self._submit(run)
+
+    def check_async_error(self):
+        if 0 <= self._err_at < self._count:
+            raise NcclError("NCCL_ERROR_REMOTE_ERROR: injected asynchronous error")
+
+    def abort(self):
+        self.alive = False
+        _state["hung"] = False
+        log["aborted"] += 1
+
+    def destroy(self):
+        self.alive = False
+        log["destroyed"] += 1
+
+
+def _group_start():
+    _state["depth"] += 1
+
+
+def _group_end():
+    _state["depth"] -= 1
+    if _state["depth"] == 0:
+        log["groups"] += 1
+        queue, _state["queue"] = _state["queue"], []
+        for fn in queue:
+            fn()
+
+
+def install():
+    """Put the fake ``cupy`` / ``cupy.cuda`` / ``cupy.cuda.nccl`` into ``sys.modules``."""
+    cupy = types.ModuleType("cupy")
+    cuda = types.ModuleType("cupy.cuda")
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
+    stream = types.SimpleNamespace(ptr=0)
+    cuda.Device, cuda.Event, cuda.runtime = Device, _Event, runtime
+    cuda.get_current_stream = lambda: stream
+    cuda.nccl = nccl
+    for name, value in [("NCCL_INT8", 0), ("NCCL_CHAR", 0), ("NCCL_UINT8", 1), ("NCCL_INT32", 2), ("NCCL_INT", 2),
+                        ("NCCL_UINT32", 3), ("NCCL_INT64", 4), ("NCCL_UINT64", 5), ("NCCL_FLOAT16", 6),
+                        ("NCCL_HALF", 6), ("NCCL_FLOAT32", 7), ("NCCL_FLOAT", 7), ("NCCL_FLOAT64", 8),
+                        ("NCCL_DOUBLE", 8), ("NCCL_BFLOAT16", 9), ("NCCL_SUM", 0), ("NCCL_PROD", 1),
+                        ("NCCL_MAX", 2), ("NCCL_MIN", 3), ("NCCL_AVG", 4)]:
+        setattr(nccl, name, value)
+    nccl.available = True
+    nccl.NcclCommunicator, nccl.NcclError = NcclCommunicator, NcclError
+    nccl.get_unique_id = lambda: os.urandom(128)
+    nccl.get_version = lambda: 99999
+    nccl.groupStart, nccl.groupEnd = _group_start, _group_end
+    cupy.cuda, cupy.ndarray = cuda, ndarray
+    for name in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
+                 "float64", "bool_"):
+        setattr(cupy, name, getattr(np, name))
+    cupy.empty = lambda shape, dtype=np.float32: np.empty(shape, dtype).view(ndarray)
+    cupy.ones = lambda shape, dtype=np.float32: np.ones(shape, dtype).view(ndarray)
+    cupy.zeros = lambda shape, dtype=np.float32: np.zeros(shape, dtype).view(ndarray)
+    cupy.asarray = lambda a, dtype=None: _wrap(np.asarray(a, dtype=dtype))
+    cupy.ascontiguousarray = _wrap
+    cupy.concatenate = lambda parts, axis=0: _wrap(np.concatenate([np.asarray(p) for p in parts], axis=axis))
+    cupy.moveaxis = lambda a, s, d: np.moveaxis(a, s, d).view(ndarray)
+    cupy.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)
+    cupy.from_dlpack = lambda x: _wrap(np.from_dlpack(x))
+    sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.nccl": nccl})
+    return cupy

@@ -1,0 +1,268 @@
+"""The nccl backend's own logic in real multi-process jobs, on the fake GPU of tests/fakegpu.
+
+The fake's NcclCommunicator runs every collective across the processes over the grpc ring,
+addressed by raw pointers as NCCL is, so everything tf_commstrategy does around NCCL runs for
+real: dtype/op mapping, bfloat16 in uint16, means, uneven all-gathers and reduce-scatters, grouped
+calls, signature checks, the communicator's creation, deadlines and aborts. Results are compared
+in the parent with numpy. NCCL and CUDA themselves are tested on a GPU (tests/gpu).
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.helpers import run_workers
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
+OPS = ["sum", "mean", "min", "max", "prod"]
+SHAPE = (5, 3)
+
+
+def _pairs():
+    for d in DTYPES:
+        for op in OPS:
+            if d == "bool" and op not in ("min", "max"):
+                continue
+            yield d, op
+
+
+def make_input(rank, dtype, op, seed=7):
+    rng = np.random.default_rng([seed, rank, DTYPES.index(dtype), OPS.index(op)])
+    if dtype == "bool":
+        return rng.integers(0, 2, SHAPE).astype(bool)
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    if op == "prod":
+        if np.issubdtype(dt, np.integer):
+            return rng.choice(np.array([1, 1, 2, 1]), SHAPE).astype(dt)
+        return rng.uniform(0.8, 1.25, SHAPE).astype(dt)
+    if np.issubdtype(dt, np.integer):
+        hi = 20 if dt.itemsize == 1 else 1000
+        lo = 0 if np.issubdtype(dt, np.unsignedinteger) else -hi
+        return rng.integers(lo, hi, SHAPE).astype(dt)
+    return rng.standard_normal(SHAPE).astype(dt)
+
+
+def reference(inputs, op, dtype):
+    dt = inputs[0].dtype
+    wide = np.float32 if dtype in ("float16", "bfloat16") else dt
+    stack = np.stack([x.astype(wide) for x in inputs])
+    if op in ("sum", "mean"):
+        r = stack.sum(0)
+        if op == "mean":
+            n = len(inputs)
+            r = (r // n) if np.issubdtype(dt, np.integer) else (r.astype(dt).astype(np.float32) / n
+                                                               if dtype in ("float16", "bfloat16") else r / n)
+    elif op == "prod":
+        r = stack.prod(0)
+    elif op == "min":
+        r = stack.min(0)
+    else:
+        r = stack.max(0)
+    return np.asarray(r).astype(dt)
+
+
+def _setup():
+    from tests import fakegpu
+    cupy = fakegpu.install()
+    import tf_commstrategy as tfcs
+    tfcs.init()
+    return cupy, tfcs, fakegpu
+
+
+def _to_device(cupy, x):
+    from tf_commstrategy.backends.nccl import Bfloat16Array
+    if x.dtype == BF16:
+        return Bfloat16Array(cupy.asarray(x.view(np.uint16)))
+    return cupy.asarray(x)
+
+
+def _to_host(y):
+    if type(y).__name__ == "Bfloat16Array":
+        return np.asarray(y.data).view(np.uint16).view(BF16), "Bfloat16Array"
+    return np.asarray(y).view(np.ndarray).copy(), f"{type(y).__module__}.{type(y).__name__}"
+
+
+def w_every_op(rank, size):
+    cupy, tfcs, fake = _setup()
+    out = {}
+    for d, op in _pairs():
+        y = tfcs.allreduce(_to_device(cupy, make_input(rank, d, op)), op, backend="nccl")
+        out[(d, op)] = _to_host(y)
+    return out, dict(fake.log)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_allreduce_every_dtype_and_op_matches_numpy(size):
+    results = run_workers(w_every_op, size, timeout=180)
+    for d, op in _pairs():
+        ref = reference([make_input(r, d, op) for r in range(size)], op, d)
+        for rank, (out, log) in enumerate(results):
+            got, kind = out[(d, op)]
+            assert kind == ("Bfloat16Array" if d == "bfloat16" else "cupy.ndarray"), (d, kind)
+            assert got.dtype == ref.dtype and got.shape == SHAPE, (d, op, got.dtype, got.shape)
+            if d in ("float16", "bfloat16"):
+                np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-2,
+                                           err_msg=f"{d} {op} rank {rank}")
+            elif d in ("float32", "float64"):
+                np.testing.assert_allclose(got, ref, rtol=1e-6, err_msg=f"{d} {op} rank {rank}")
+            else:
+                np.testing.assert_array_equal(got, ref, err_msg=f"{d} {op} rank {rank}")
+    for out, log in results:
+        assert len({tuple(map(tuple, u)) for u in log["uids"]}) == 1  # one communicator
+        assert all(len(set(map(tuple, u))) == 1 for u in log["uids"])  # the same unique id on every rank
+
+
+def w_movement(rank, size):
+    cupy, tfcs, fake = _setup()
+    r = {}
+    x = np.arange(12, dtype=np.float32).reshape(4, 3) + 100 * rank
+    r["bcast"] = _to_host(tfcs.broadcast(cupy.asarray(x), 1, backend="nccl"))[0]
+    ys = tfcs.grouped_broadcast([cupy.asarray(x), cupy.asarray(np.full(5, rank, np.int64))], 1, backend="nccl")
+    r["gbcast"] = [_to_host(y)[0] for y in ys]
+    uneven = np.full((rank + 1, 2), rank, dtype=np.int32)
+    r["gather_uneven"] = _to_host(tfcs.allgather(cupy.asarray(uneven), backend="nccl"))[0]
+    r["gather_even"] = _to_host(tfcs.allgather(cupy.asarray(x), backend="nccl"))[0]
+    r["gather_scalar"] = _to_host(tfcs.allgather(cupy.asarray(np.float64(rank)), backend="nccl"))[0]
+    rs_in = np.arange(14, dtype=np.int64).reshape(7, 2) * (rank + 1)
+    r["rs_sum"] = _to_host(tfcs.reduce_scatter(cupy.asarray(rs_in), "sum", backend="nccl"))[0]
+    r["rs_mean"] = _to_host(tfcs.reduce_scatter(cupy.asarray(rs_in), "mean", backend="nccl"))[0]
+    even = np.arange(6 * size, dtype=np.float32).reshape(2 * size, 3) + rank
+    r["rs_even"] = _to_host(tfcs.reduce_scatter(cupy.asarray(even), "sum", backend="nccl"))[0]
+    groups0 = fake.log["groups"]
+    grads = [cupy.asarray(np.full((3,), rank + 1.0, np.float32)), cupy.asarray(np.full((2, 2), rank, np.int32)),
+             cupy.asarray(np.full((4,), rank + 0.5, np.float64))]
+    r["grouped"] = [_to_host(y)[0] for y in tfcs.grouped_allreduce(grads, "mean", backend="nccl")]
+    r["grouped_groups"] = fake.log["groups"] - groups0
+    tfcs.barrier(backend="nccl")
+    # a GPU array meeting the grpc backend is staged through the host and comes back as a GPU array
+    staged = tfcs.allreduce(cupy.asarray(np.full(3, rank, np.float32)), backend="grpc")
+    r["staged"] = _to_host(staged)
+    return r
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_broadcast_allgather_reduce_scatter_grouped_barrier(size):
+    results = run_workers(w_movement, size, timeout=180)
+    x1 = np.arange(12, dtype=np.float32).reshape(4, 3) + 100
+    want_uneven = np.concatenate([np.full((r + 1, 2), r, np.int32) for r in range(size)])
+    want_even = np.concatenate([np.arange(12, dtype=np.float32).reshape(4, 3) + 100 * r for r in range(size)])
+    rs_total = sum(np.arange(14, dtype=np.int64).reshape(7, 2) * (r + 1) for r in range(size))
+    even_total = sum(np.arange(6 * size, dtype=np.float32).reshape(2 * size, 3) + r for r in range(size))
+    for rank, r in enumerate(results):
+        np.testing.assert_array_equal(r["bcast"], x1)
+        np.testing.assert_array_equal(r["gbcast"][0], x1)
+        np.testing.assert_array_equal(r["gbcast"][1], np.full(5, 1, np.int64))
+        np.testing.assert_array_equal(r["gather_uneven"], want_uneven)
+        np.testing.assert_array_equal(r["gather_even"], want_even)
+        np.testing.assert_array_equal(r["gather_scalar"], np.arange(size, dtype=np.float64))
+        np.testing.assert_array_equal(r["rs_sum"], np.array_split(rs_total, size)[rank])
+        np.testing.assert_array_equal(r["rs_mean"], np.array_split(rs_total // size, size)[rank])
+        np.testing.assert_allclose(r["rs_even"], np.array_split(even_total, size)[rank])
+        np.testing.assert_allclose(r["grouped"][0], np.full(3, sum(q + 1.0 for q in range(size)) / size))
+        np.testing.assert_array_equal(r["grouped"][1], np.full((2, 2), sum(range(size)) // size, np.int32))
+        np.testing.assert_allclose(r["grouped"][2], np.full(4, sum(q + 0.5 for q in range(size)) / size))
+        assert r["grouped_groups"] == 1, "a grouped all-reduce must be one ncclGroupStart/End"
+        np.testing.assert_array_equal(r["staged"][0], np.full(3, sum(range(size)), np.float32))
+        assert r["staged"][1] == "cupy.ndarray"
+
+
+def w_mismatch(rank, size):
+    cupy, tfcs, fake = _setup()
+    tfcs.allreduce(cupy.asarray(np.ones(2, np.float32)), backend="nccl")
+    n = 4 if rank == 0 else 5
+    tfcs.allreduce(cupy.asarray(np.ones(n, np.float32)), backend="nccl", timeout=20)
+
+
+def test_mismatched_calls_raise_on_every_rank_with_both_signatures():
+    out = run_workers(w_mismatch, 2, expect_failure=True, timeout=90)
+    for rank in (0, 1):
+        kind, (cls, msg, _tb) = out[rank]
+        assert kind == "error" and cls == "CollectiveMismatchError", out[rank]
+        assert "float32[4]" in msg and "float32[5]" in msg, msg
+
+
+def w_hang(rank, size):
+    import time
+    cupy, tfcs, fake = _setup()
+    x = cupy.asarray(np.ones(3, np.float32))
+    tfcs.allreduce(x, backend="nccl")
+    t0 = time.monotonic()
+    try:
+        tfcs.allreduce(x, backend="nccl", timeout=2.0)
+    except Exception as e:
+        took = time.monotonic() - t0
+        try:
+            tfcs.allreduce(x, backend="nccl")
+            after = "no error"
+        except Exception as e2:
+            after = f"{type(e2).__name__}: {e2}"
+        return type(e).__name__, str(e), took, fake.log["aborted"], after
+    return "no error"
+
+
+def test_a_collective_that_never_completes_times_out_and_aborts_the_communicator():
+    # collective #0 is the first call's signature check, #1 its data, #2 the second call's check
+    results = run_workers(w_hang, 2, env={"FAKE_NCCL_HANG_AT": "2"}, timeout=90)
+    for cls, msg, took, aborted, after in results:
+        assert cls == "CollectiveTimeoutError", (cls, msg)
+        assert "aborted" in msg and 1.9 < took < 10, (msg, took)
+        assert aborted >= 1
+        assert after.startswith("CollectiveError") and "unusable" in after, after
+
+
+def w_async_error(rank, size):
+    cupy, tfcs, fake = _setup()
+    x = cupy.asarray(np.ones(3, np.float32))
+    for _ in range(4):
+        tfcs.allreduce(x, backend="nccl", timeout=20)
+
+
+def test_an_asynchronous_nccl_error_becomes_a_typed_error_on_every_rank():
+    out = run_workers(w_async_error, 2, env={"FAKE_NCCL_ASYNC_ERROR_AT": "1"}, expect_failure=True, timeout=90)
+    for rank in (0, 1):
+        kind, (cls, msg, _tb) = out[rank]
+        assert kind == "error" and cls in ("CollectiveError", "CollectiveAbortedError"), out[rank]
+    assert any("injected asynchronous error" in out[r][1][1] for r in (0, 1))
+
+
+def w_absent(rank, size):
+    import time
+    cupy, tfcs, fake = _setup()
+    if rank == 1:
+        time.sleep(8)  # joins the job, never the NCCL communicator
+        return "idle"
+    t0 = time.monotonic()
+    try:
+        tfcs.allreduce(cupy.asarray(np.ones(3, np.float32)), backend="nccl", timeout=3.0)
+    except Exception as e:
+        return type(e).__name__, str(e), list(getattr(e, "waiting_for", [])), time.monotonic() - t0
+    return "no error"
+
+
+def test_a_rank_that_never_creates_the_communicator_is_named_in_a_timeout():
+    out = run_workers(w_absent, 2, expect_failure=True, timeout=90)
+    kind, value = out[0]
+    assert kind == "ok", out[0]
+    cls, msg, waiting, took = value
+    assert cls == "CollectiveTimeoutError" and waiting == [1], (cls, msg, waiting)
+    assert 2.9 < took < 10 and "never joined" in msg, (took, msg)
+
+
+def w_tf_cpu_tensor(rank, size):
+    cupy, tfcs, fake = _setup()
+    import tensorflow as tf
+    try:
+        tfcs.allreduce(tf.constant([1.0, 2.0]), backend="nccl")
+        explicit = "no error"
+    except Exception as e:
+        explicit = (type(e).__name__, str(e))
+    auto = tfcs.allreduce(tf.constant([1.0, 2.0]), backend="auto").numpy().tolist()
+    return explicit, auto
+
+
+def test_a_cpu_tensor_sent_to_nccl_is_refused_with_the_fix_and_auto_uses_grpc():
+    (explicit, auto), = run_workers(w_tf_cpu_tensor, 1, timeout=120)
+    assert explicit[0] == "UnsupportedOperationError" and "GPU tensors" in explicit[1], explicit
+    assert "backend='grpc'" in explicit[1]
+    assert auto == [1.0, 2.0]

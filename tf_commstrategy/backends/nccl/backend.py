@@ -1,0 +1,347 @@
+"""The nccl backend: every collective of the interface on GPU buffers through ``cupy.cuda.nccl``.
+
+Ordering and streams: a call is queued on **cupy's current stream** of the buffers' GPU, so it runs
+after everything the caller queued there (the producer of the data), and the call returns only once
+the collective has completed on the GPU (``Communicator.wait``, with the deadline), so its result may
+be read on any stream. DLPack inputs are imported with the stream protocol, which orders the
+producer's stream before ours (see ``buffers``).
+
+Checks: before a call, all ranks all-reduce a 64-bit hash of the call's signature (op, dtype, shape,
+root, sequence number) as ``[h, -h]`` with MAX: every rank then sees whether all hashes were equal,
+and on a mismatch all raise ``CollectiveMismatchError`` with both signatures (read from the store).
+Plain NCCL would hang or corrupt memory instead. ``TFCS_NCCL_CHECK=0`` turns the check off. An
+all-gather exchanges ``[h, rows]`` anyway (for unequal first dimensions), which doubles as its check.
+
+Failures: a timeout, an asynchronous NCCL error or a failure seen by the control plane aborts the
+communicator and fails the process group (peers learn it over the gRPC ring); later calls raise
+``CollectiveError`` until the job restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ... import config
+from ...core.backend import Backend
+from ...core.reduce_ops import ReduceOp
+from ...errors import CollectiveError, CollectiveMismatchError, TfcsError, UnsupportedOperationError
+from . import buffers as bufmod
+from .communicator import Communicator
+from .types import nccl_dtype, nccl_op
+
+log = logging.getLogger("tf_commstrategy")
+
+
+def signature_hash(sig: str, seq: int) -> int:
+    """A 63-bit hash of a call's signature and sequence number (equal on ranks making the same call)."""
+    digest = hashlib.blake2b(f"{seq}|{sig}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+def _bf16_divide(u16, divisor: int) -> None:
+    """In place: bfloat16 bits in a uint16 cupy array divided by ``divisor`` (round to nearest even)."""
+    import cupy
+    f32 = (u16.astype(cupy.uint32) << 16).view(cupy.float32) / cupy.float32(divisor)
+    bits = f32.view(cupy.uint32)
+    rounded = (bits + cupy.uint32(0x7FFF) + ((bits >> 16) & cupy.uint32(1))) >> 16
+    u16[...] = rounded.astype(cupy.uint16)
+
+
+def finish_mean(buf: bufmod.DeviceBuffer, world: int) -> None:
+    """Turn a sum into a mean on the device (queued on the current stream); integers floor-divide."""
+    if world == 1:
+        return
+    arr = buf.array
+    if buf.dtype == "bfloat16" and str(arr.dtype) == "uint16":
+        _bf16_divide(arr, world)
+    elif arr.dtype.kind in "iu":
+        arr //= world
+    else:
+        arr /= arr.dtype.type(world)
+
+
+class NcclBackend(Backend):
+    """Collectives over NCCL, one communicator per GPU of this rank (created on first use)."""
+
+    name = "nccl"
+    supports_out = False
+
+    def __init__(self, group):
+        from cupy.cuda import nccl
+        self._nccl = nccl
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self.check = config.nccl_check_from_env()
+        self._comms: Dict[int, Communicator] = {}
+        self._generation = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._failed: Optional[BaseException] = None
+        self._busy_s = 0.0
+        log.info("tf_commstrategy rank %d: nccl backend (NCCL %s, signature checks %s)", self.rank,
+                 nccl.get_version(), "on" if self.check else "off")
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _control_failure(self) -> Optional[BaseException]:
+        if self._failed is not None:
+            return self._failed
+        grpc = getattr(self.group, "_backends", {}).get("grpc")
+        return getattr(grpc, "_failed", None)
+
+    def _comm(self, device_id: int, deadline: float) -> Communicator:
+        comm = self._comms.get(device_id)
+        if comm is None:
+            generation = self._generation
+            self._generation += 1
+            comm = Communicator.create(self._nccl, self.group.store, self.rank, self.size, device_id,
+                                       generation, deadline, self._control_failure)
+            self._comms[device_id] = comm
+            log.info("tf_commstrategy rank %d: NCCL communicator #%d on GPU %d (%d ranks)", self.rank,
+                     generation, device_id, self.size)
+        return comm
+
+    def _run(self, sig: str, device_id: int, timeout: Optional[float], body: Callable, check: bool = True):
+        """Run one collective: ``body(comm, stream, seq, deadline)`` queues the work and returns the result."""
+        import cupy
+        timeout = self.group.timeout if timeout is None else float(timeout)
+        with self._lock:
+            if self._failed is not None:
+                raise CollectiveError(f"the nccl backend is unusable after an earlier error: {self._failed}",
+                                      rank=self.rank, fix="shut down (tfcs.shutdown()) and restart the job")
+            seq = self._seq
+            self._seq += 1
+            t0 = time.monotonic()
+            deadline = t0 + timeout
+            try:
+                with cupy.cuda.Device(device_id):
+                    comm = self._comm(device_id, deadline)
+                    stream = cupy.cuda.get_current_stream()
+                    if check and self.check:
+                        self._check_signature(comm, stream, sig, seq, deadline)
+                    result = body(comm, stream, seq, deadline)
+                    comm.wait(stream, deadline, sig, seq, self._control_failure)
+                    return result
+            except TfcsError as e:
+                self._fail(e)
+                raise
+            except self._nccl.NcclError as e:
+                err = CollectiveError(f"NCCL failed in collective #{seq} [{sig}]: {e}", rank=self.rank, seq=seq,
+                                      fix="NCCL_DEBUG=WARN prints NCCL's own diagnosis")
+                self._fail(err)
+                raise err from e
+            finally:
+                self._busy_s += time.monotonic() - t0
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failed is not None:
+            return
+        self._failed = error
+        for c in self._comms.values():
+            c.abort()
+        grpc = getattr(self.group, "_backends", {}).get("grpc")
+        if grpc is not None and getattr(grpc, "_failed", None) is None:
+            grpc.abort(error)  # tells every other rank over the control plane
+
+    def _mismatch(self, comm: Communicator, sig: str, seq: int, hashes: Sequence[int]) -> CollectiveMismatchError:
+        store = self.group.store
+        key = f"nccl/sig/{comm.generation}/{seq}"
+        store.set(f"{key}/{self.rank}", sig)
+        mine = signature_hash(sig, seq)
+        other, theirs = None, "(unknown: it did not report its call in time)"
+        for r in range(self.size):
+            if r == self.rank or (hashes and hashes[r] == mine):
+                continue
+            try:
+                text = store.get(f"{key}/{r}", 5.0)
+            except Exception:
+                if other is None:
+                    other = r
+                continue
+            if text != sig:
+                other, theirs = r, text
+                break
+        return CollectiveMismatchError(
+            f"ranks disagree on nccl collective #{seq}: this rank called [{sig}], rank {other} called [{theirs}]",
+            rank=self.rank, seq=seq, local_signature=sig, remote_signature=theirs, remote_rank=other,
+            fix="make every rank issue the same collectives in the same order, with the same op, dtype, shape "
+                "and root")
+
+    def _check_signature(self, comm: Communicator, stream, sig: str, seq: int, deadline: float) -> None:
+        import cupy
+        h = signature_hash(sig, seq)
+        chk = cupy.asarray([h, -h], dtype=cupy.int64)
+        comm.comm.allReduce(chk.data.ptr, chk.data.ptr, 2, self._nccl.NCCL_INT64, self._nccl.NCCL_MAX, stream.ptr)
+        comm.wait(stream, deadline, f"signature check of [{sig}]", seq, self._control_failure)
+        top, neg_low = (int(v) for v in chk.get(stream=stream))
+        if top != h or neg_low != -h:
+            raise self._mismatch(comm, sig, seq, [])
+
+    def _dt(self, buf: bufmod.DeviceBuffer) -> int:
+        return nccl_dtype(self._nccl, buf.dtype)
+
+    # -- collectives -----------------------------------------------------------------------------
+    def allreduce(self, buf, op: ReduceOp, timeout=None):
+        b, wrap = bufmod.to_device(buf)
+        return wrap(self._batch_allreduce([b], op, timeout)[0])
+
+    def batch_allreduce(self, bufs: Sequence, op: ReduceOp, timeout=None) -> List:
+        """All buffers in one ``ncclGroupStart/End`` (NCCL fuses their launches)."""
+        if not bufs:
+            return []
+        bs, wraps = bufmod.to_devices(bufs)
+        return [w(r) for w, r in zip(wraps, self._batch_allreduce(bs, op, timeout))]
+
+    def _batch_allreduce(self, bs: List[bufmod.DeviceBuffer], op: ReduceOp, timeout) -> List[bufmod.DeviceBuffer]:
+        codes = [(self._dt(b), nccl_op(self._nccl, op, b.dtype)) for b in bs]
+        sig = f"allreduce op={op.value} " + " ".join(f"{b.dtype}{list(b.shape)}" for b in bs)
+        nccl = self._nccl
+
+        def body(comm, stream, seq, deadline):
+            outs = [b.like() for b in bs]
+            nccl.groupStart()
+            try:
+                for b, o, (dt, nop) in zip(bs, outs, codes):
+                    comm.comm.allReduce(b.ptr, o.ptr, b.size, dt, nop, stream.ptr)
+            finally:
+                nccl.groupEnd()
+            if op is ReduceOp.MEAN:
+                for o in outs:
+                    finish_mean(o, self.size)
+            return outs
+
+        return self._run(sig, bs[0].device_id, timeout, body)
+
+    def broadcast(self, buf, root: int, timeout=None):
+        b, wrap = bufmod.to_device(buf)
+        return wrap(self._batch_broadcast([b], root, timeout)[0])
+
+    def batch_broadcast(self, bufs: Sequence, root: int, timeout=None) -> List:
+        if not bufs:
+            return []
+        bs, wraps = bufmod.to_devices(bufs)
+        return [w(r) for w, r in zip(wraps, self._batch_broadcast(bs, root, timeout))]
+
+    def _batch_broadcast(self, bs, root: int, timeout):
+        codes = [self._dt(b) for b in bs]
+        sig = f"broadcast root={root} " + " ".join(f"{b.dtype}{list(b.shape)}" for b in bs)
+        nccl = self._nccl
+
+        def body(comm, stream, seq, deadline):
+            outs = [b.like() for b in bs]
+            nccl.groupStart()
+            try:
+                for b, o, dt in zip(bs, outs, codes):
+                    comm.comm.broadcast(b.ptr, o.ptr, b.size, dt, root, stream.ptr)
+            finally:
+                nccl.groupEnd()
+            return outs
+
+        return self._run(sig, bs[0].device_id, timeout, body)
+
+    def allgather(self, buf, timeout=None):
+        import cupy
+        b, wrap = bufmod.to_device(buf)
+        if b.array.ndim == 0:
+            b = bufmod.DeviceBuffer(b.array.reshape(1), b.dtype)
+        dt = self._dt(b)
+        rows = b.shape[0]
+        trailing = b.shape[1:]
+        sig = f"allgather dtype={b.dtype} trailing={list(trailing)}"
+        nccl = self._nccl
+        n = self.size
+
+        def body(comm, stream, seq, deadline):
+            h = signature_hash(sig, seq)
+            meta = cupy.asarray([h, rows], dtype=cupy.int64)
+            metas = cupy.empty(2 * n, dtype=cupy.int64)
+            comm.comm.allGather(meta.data.ptr, metas.data.ptr, 2, nccl.NCCL_INT64, stream.ptr)
+            comm.wait(stream, deadline, f"sizes of [{sig}]", seq, self._control_failure)
+            got = [int(v) for v in metas.get(stream=stream)]
+            hashes, counts = got[0::2], got[1::2]
+            if any(x != h for x in hashes):
+                raise self._mismatch(comm, sig, seq, hashes)
+            top = max(counts)
+            per = _prod(trailing)
+            if all(c == top for c in counts):
+                out = b.like((n * top,) + trailing)
+                comm.comm.allGather(b.ptr, out.ptr, top * per, dt, stream.ptr)
+                return out
+            padded = b.like((top,) + trailing)
+            padded.array[:rows] = b.array
+            gathered = b.like((n * top,) + trailing)
+            comm.comm.allGather(padded.ptr, gathered.ptr, top * per, dt, stream.ptr)
+            parts = [gathered.array[i * top:i * top + c] for i, c in enumerate(counts)]
+            return bufmod.DeviceBuffer(cupy.concatenate(parts), b.dtype)
+
+        return wrap(self._run(sig, b.device_id, timeout, body, check=False))
+
+    def reduce_scatter(self, buf, op: ReduceOp, timeout=None):
+        b, wrap = bufmod.to_device(buf)
+        if b.array.ndim == 0:
+            raise UnsupportedOperationError("reduce_scatter needs at least one dimension to split",
+                                            rank=self.rank, fix="reshape the scalar to shape (1,)")
+        dt, nop = self._dt(b), nccl_op(self._nccl, op, b.dtype)
+        n, rows, trailing = self.size, b.shape[0], b.shape[1:]
+        sizes = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+        starts = [sum(sizes[:i]) for i in range(n)]
+        per = int(_prod(trailing))
+        sig = f"reduce_scatter op={op.value} dtype={b.dtype} shape={list(b.shape)}"
+
+        def body(comm, stream, seq, deadline):
+            top = max(sizes)
+            out = b.like((top,) + trailing)
+            if all(s == top for s in sizes):
+                comm.comm.reduceScatter(b.ptr, out.ptr, top * per, dt, nop, stream.ptr)
+            else:
+                padded = b.like((n * top,) + trailing)
+                padded.array[...] = 0
+                for i in range(n):
+                    padded.array[i * top:i * top + sizes[i]] = b.array[starts[i]:starts[i] + sizes[i]]
+                comm.comm.reduceScatter(padded.ptr, out.ptr, top * per, dt, nop, stream.ptr)
+            mine = bufmod.DeviceBuffer(out.array[:sizes[self.rank]], b.dtype)
+            if op is ReduceOp.MEAN:
+                finish_mean(mine, n)
+            return mine
+
+        return wrap(self._run(sig, b.device_id, timeout, body))
+
+    def barrier(self, timeout=None) -> None:
+        import cupy
+        device = cupy.cuda.Device().id
+
+        def body(comm, stream, seq, deadline):
+            token = cupy.ones(1, dtype=cupy.int32)
+            comm.comm.allReduce(token.data.ptr, token.data.ptr, 1, self._nccl.NCCL_INT32, self._nccl.NCCL_SUM,
+                                stream.ptr)
+
+        self._run("barrier", device, timeout, body)
+
+    def accepts(self, buf) -> bool:
+        return bufmod.is_device_buffer(buf)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def abort(self, error: BaseException) -> None:
+        if self._failed is None:
+            self._failed = error
+        for c in self._comms.values():
+            c.abort()
+
+    def close(self) -> None:
+        comms, self._comms = list(self._comms.values()), {}
+        for c in comms:
+            if self._failed is None:
+                c.destroy()
+            else:
+                c.abort()
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out

@@ -1,0 +1,201 @@
+"""GPU buffers for the nccl backend: cupy arrays, bfloat16 held in uint16, and DLPack producers.
+
+What the nccl backend accepts, and what it gives back:
+
+* a ``cupy.ndarray`` -> a ``cupy.ndarray`` (bool and every dtype of ``types.nccl_dtypes()``);
+* ``Bfloat16Array(u16)``, a uint16 cupy array whose bits are bfloat16 values (cupy has no bfloat16
+  arrays; ``ml_dtypes.bfloat16`` numpy data ``.view(np.uint16)`` goes in as it is) -> the same wrapper;
+* any object with ``__dlpack__`` on a CUDA device (a torch or JAX GPU tensor) -> a ``cupy.ndarray``
+  that shares memory with nothing of the caller's (the result is new memory); the input is imported
+  without a copy through ``cupy.from_dlpack``, which asks the producer to order its stream before
+  cupy's current stream (the DLPack stream protocol).
+
+A host buffer (numpy, a CPU tensor) is refused with ``UnsupportedOperationError``: nccl moves
+device memory only, and the fix is ``backend='grpc'`` or ``'auto'``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Sequence, Tuple
+
+from ...errors import UnsupportedOperationError
+
+
+class Bfloat16Array:
+    """bfloat16 values stored in a uint16 cupy array (NCCL reduces them as ``ncclBfloat16``).
+
+    Args:
+      data: a ``cupy.ndarray`` of dtype uint16 holding the bfloat16 bit patterns.
+
+    Raises:
+      UnsupportedOperationError: ``data`` is not a uint16 cupy array.
+    """
+
+    __slots__ = ("data",)
+    __tfcs_device_buffer__ = True
+
+    def __init__(self, data):
+        if not _is_cupy(data) or str(data.dtype) != "uint16":
+            raise UnsupportedOperationError(
+                f"Bfloat16Array needs a uint16 cupy array, got {type(data).__name__} of dtype "
+                f"{getattr(data, 'dtype', '?')}", fix="pass cupy.asarray(bf16_numpy.view(numpy.uint16))")
+        self.data = data
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def dtype(self):
+        """``numpy.dtype(ml_dtypes.bfloat16)`` (its ``str`` is "bfloat16")."""
+        from ...core.reduce_ops import BFLOAT16
+        return BFLOAT16
+
+    def __repr__(self) -> str:
+        return f"Bfloat16Array(shape={self.shape}, device={self.data.device.id})"
+
+
+class DeviceBuffer:
+    """One collective operand: a C-contiguous cupy array and the logical dtype it holds.
+
+    Attributes:
+      array: the cupy array (its own dtype is the storage dtype: uint16 for bfloat16).
+      dtype: the logical dtype name ("float32", "bfloat16", "bool", ...).
+    """
+
+    __slots__ = ("array", "dtype")
+
+    def __init__(self, array, dtype: str):
+        self.array = array
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def size(self) -> int:
+        return int(self.array.size)
+
+    @property
+    def ptr(self) -> int:
+        return int(self.array.data.ptr)
+
+    @property
+    def device_id(self) -> int:
+        return int(self.array.device.id)
+
+    def like(self, shape=None) -> "DeviceBuffer":
+        """A new, uninitialised buffer of the same storage and logical dtype on the same device."""
+        import cupy
+        with self.array.device:
+            arr = cupy.empty(self.shape if shape is None else shape, dtype=self.array.dtype)
+        return DeviceBuffer(arr, self.dtype)
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def is_device_buffer(x) -> bool:
+    """True for what the nccl backend takes as it is: cupy arrays and ``Bfloat16Array``."""
+    return _is_cupy(x) or getattr(type(x), "__tfcs_device_buffer__", False)
+
+
+def _host_refusal(x) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"the nccl backend moves GPU memory, but got a host buffer ({type(x).__module__}.{type(x).__name__})",
+        fix="pass a cupy array or a GPU tensor, or use backend='grpc' (or 'auto', which sends host buffers "
+            "to grpc)")
+
+
+def to_device(x) -> Tuple[DeviceBuffer, Callable[[DeviceBuffer], object]]:
+    """Turn ``x`` into a ``DeviceBuffer`` without a copy (a non-contiguous cupy array is compacted).
+
+    Args:
+      x: a cupy array, a ``Bfloat16Array``, or a CUDA DLPack producer (``__dlpack__``).
+
+    Returns:
+      ``(buffer, wrap)``: ``wrap(result_buffer)`` turns a result into what the caller gets back
+      (a cupy array, or a ``Bfloat16Array`` for a ``Bfloat16Array`` input).
+
+    Raises:
+      UnsupportedOperationError: ``x`` is on the host, or its dtype is not one nccl moves.
+    """
+    import cupy
+    if isinstance(x, Bfloat16Array):
+        return DeviceBuffer(cupy.ascontiguousarray(x.data), "bfloat16"), lambda b: Bfloat16Array(b.array)
+    if _is_cupy(x):
+        arr = x
+    elif hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        kind = x.__dlpack_device__()[0]
+        if int(kind) not in (2, 13):  # kDLCUDA, kDLCUDAManaged (kDLCPU is 1)
+            raise _host_refusal(x)
+        try:
+            arr = cupy.from_dlpack(x)
+        except Exception as e:
+            raise UnsupportedOperationError(
+                f"cupy could not import a {type(x).__name__} through DLPack ({e})",
+                fix="pass a cupy array; for bfloat16 pass Bfloat16Array(uint16 view of the data)") from None
+    else:
+        raise _host_refusal(x)
+    arr = cupy.ascontiguousarray(arr)
+    name = str(arr.dtype)
+    return DeviceBuffer(arr, name), lambda b: b.array
+
+
+def to_devices(xs: Sequence) -> Tuple[List[DeviceBuffer], List[Callable]]:
+    """``to_device`` for each of ``xs``; they must all be on one GPU.
+
+    Args:
+      xs: the operands.
+
+    Returns:
+      ``(buffers, wraps)``.
+
+    Raises:
+      UnsupportedOperationError: a host buffer, an unsupported dtype, or buffers on different GPUs.
+    """
+    pairs = [to_device(x) for x in xs]
+    bufs = [p[0] for p in pairs]
+    devices = sorted({b.device_id for b in bufs})
+    if len(devices) > 1:
+        raise UnsupportedOperationError(
+            f"one nccl call got buffers on GPUs {devices}", fix="put every buffer of one call on the same GPU")
+    return bufs, [p[1] for p in pairs]
+
+
+def to_host(x) -> Tuple[object, Callable[[object], object]]:
+    """Copy a GPU operand to host memory, for a backend that moves host memory (grpc).
+
+    Used when "auto" (or an explicit backend="grpc") meets a GPU buffer and nccl cannot take it:
+    the data is staged through the host, as Horovod does without NCCL.
+
+    Args:
+      x: a cupy array, a ``Bfloat16Array`` or a CUDA DLPack producer.
+
+    Returns:
+      ``(numpy_array, back)``: ``back(numpy_result)`` copies a result to the GPU, as what the
+      caller gets back for ``x`` (a cupy array, or a ``Bfloat16Array``).
+    """
+    import cupy
+    if isinstance(x, Bfloat16Array):
+        from ...core.reduce_ops import BFLOAT16
+        import numpy as np
+        return cupy.asnumpy(x.data).view(BFLOAT16), lambda r: Bfloat16Array(cupy.asarray(np.asarray(r).view(np.uint16)))
+    arr = x if _is_cupy(x) else cupy.from_dlpack(x)
+    device = arr.device
+
+    def back(r):
+        with device:
+            return cupy.asarray(r)
+
+    return cupy.asnumpy(arr), back
