@@ -23,6 +23,7 @@ DEFAULT_SMALL_BYTES = 0            # all-reduce by all-gather up to this many by
 DEFAULT_SHM_SMALL_BYTES = 64 << 10  # ... when every ring link is shared memory (measured: 8 B, 4 ranks: 381 -> 220 us)
 DEFAULT_BACKEND = "auto"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # a silent ring neighbour is declared lost after this long (0: off)
+DEFAULT_TF_THREADS = "auto"         # TF pool sizes: cores // local workers when several share a host
 
 _SIZE_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
                 "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -165,6 +166,19 @@ def hierarchical_from_env(environ=None) -> bool:
     hosts with several ranks on some; 0 keeps the flat ring."""
     return env_value("TFCS_HIERARCHICAL", lambda s: s.strip().lower() not in ("0", "false", "no", "off"), True,
                      environ)
+
+
+def tf_threads_from_env(environ=None) -> str:
+    """``TFCS_TF_THREADS``: how ``CommStrategy`` sizes TensorFlow's intra-/inter-op pools: "auto"
+    (default: each of the host's workers gets its share of the cores), "off", or a number per pool.
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      The text, lower-cased (validated by the TF layer, which applies it).
+    """
+    return env_value("TFCS_TF_THREADS", lambda s: s.strip().lower(), DEFAULT_TF_THREADS, environ)
 
 
 def backend_from_env(environ=None) -> str:

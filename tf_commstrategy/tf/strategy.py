@@ -30,7 +30,7 @@ from tensorflow.python.trackable import base as trackable_base
 
 from .. import process
 from ..core.backend import normalize_backend_name
-from . import keras_compat, tensor_ops
+from . import keras_compat, tensor_ops, threads
 from .cross_device_ops import CommCrossDeviceOps
 
 
@@ -46,15 +46,20 @@ class CommStrategy(tf.distribute.MirroredStrategy):
       sync_metrics: True (default): metrics are global, reduced across workers when read. False: metrics
         stay local per worker (faster); average epoch logs with ``callbacks.MetricAverageCallback``.
       timeout: collective deadline in seconds (default ``TFCS_TIMEOUT`` or 300).
+      tf_threads: TensorFlow's intra-/inter-op pool size: "auto" (default, ``TFCS_TF_THREADS``): when
+        several workers share a host, each gets its share of the cores (``cores // local_size``);
+        "off": TensorFlow's own sizes (every core, in every worker); or a number per pool. Applied
+        only if no TensorFlow op ran before the strategy was built (see ``tf/threads.py``).
       **init_kwargs: passed to ``tf_commstrategy.init`` when the process group is not yet initialized.
 
     Raises:
-      ConfigurationError, RendezvousError: from ``tf_commstrategy.init``.
+      ConfigurationError: an invalid ``tf_threads``; or from ``tf_commstrategy.init``.
+      RendezvousError: from ``tf_commstrategy.init``.
     """
 
     def __init__(self, devices: Optional[Sequence[str]] = None, backend: Optional[str] = None,
                  communication_options=None, sync_metrics: bool = True, timeout: Optional[float] = None,
-                 **init_kwargs):
+                 tf_threads=None, **init_kwargs):
         wanted = getattr(communication_options, "transport", None)
         if wanted is not None and "transport" not in init_kwargs:
             init_kwargs["transport"] = wanted  # the ring's data path is chosen when the job starts
@@ -62,6 +67,7 @@ class CommStrategy(tf.distribute.MirroredStrategy):
             group = process.default_group()  # joined already (tfcs.init with whatever settings)
         else:
             group = process.init(timeout=timeout, **init_kwargs)
+        self._thread_plan = threads.configure(tf_threads, group.local_size, group.rank)  # before TF starts
         extended = CommExtended(self, devices, group, normalize_backend_name(backend), communication_options,
                                 sync_metrics)
         distribute_lib.Strategy.__init__(self, extended)
