@@ -7,7 +7,8 @@ One replica per local device per worker; ``num_replicas_in_sync`` is the global 
 What differs from MirroredStrategy, and why:
 
 * replica ids, ``num_replicas_in_sync``, multi-worker mode, chief-only checkpoints/summaries: global;
-* datasets: each worker reads its shard (an ``InputContext`` per worker, as MWMS does);
+* datasets: each worker reads its shard (an ``InputContext`` per worker, as MWMS does); a worker with
+  one CPU replica reads it through a plain ``tf.data`` iterator (``input_path``);
 * initial values: variables created under the scope take rank 0's value (a broadcast), optimizer
   slots included, so no callback is needed for identical starting points;
 * every reduction, including int32 ones and CPU destinations that MirroredStrategy sends elsewhere,
@@ -30,7 +31,7 @@ from tensorflow.python.trackable import base as trackable_base
 
 from .. import process
 from ..core.backend import normalize_backend_name
-from . import keras_compat, tensor_ops, threads
+from . import input_path, keras_compat, tensor_ops, threads
 from .cross_device_ops import CommCrossDeviceOps
 
 
@@ -148,6 +149,7 @@ class CommExtended(mirrored_strategy.MirroredExtended):
     def _experimental_distribute_dataset(self, dataset, options):
         if options and options.experimental_replication_mode == distribute_lib.InputReplicationMode.PER_REPLICA:
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is not supported by CommStrategy")
+        options = input_path.options_for(self._devices, options)
         return input_util.get_distributed_dataset(
             dataset, self._input_workers_with_options(options), self._container_strategy(),
             num_replicas_in_sync=self._num_replicas_in_sync, input_context=self._make_input_context(),
@@ -156,6 +158,7 @@ class CommExtended(mirrored_strategy.MirroredExtended):
     def _distribute_datasets_from_function(self, dataset_fn, options):
         if options and options.experimental_replication_mode == distribute_lib.InputReplicationMode.PER_REPLICA:
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is not supported by CommStrategy")
+        options = input_path.options_for(self._devices, options)
         return input_util.get_distributed_datasets_from_function(
             dataset_fn=dataset_fn, input_workers=self._input_workers_with_options(options),
             input_contexts=[self._make_input_context()], strategy=self._container_strategy(), options=options)
