@@ -3,10 +3,12 @@
 Data path of one ``batch_reduce`` (e.g. all gradients of a train step):
 
 1. local: each value's per-replica components are summed on the first local device (``tf.add_n``);
-2. across workers: ONE stateful ``py_function`` gets all local sums; inside it the backend fuses them
-   into one flat buffer per dtype (split into ``bytes_per_pack`` buckets when asked) and runs one
-   all-reduce per buffer; results are split and reshaped back (static shapes set);
-3. MEAN divides by the global replica count; each result is copied to its destination devices.
+2. across workers: in the graph, the local sums are concatenated into one flat tensor per dtype (cut
+   into ``bytes_per_pack`` buckets when asked); ONE stateful ``py_function`` runs one all-reduce per
+   flat buffer; the results are split and reshaped back in the graph (static shapes kept);
+3. MEAN: with one replica per worker the collective itself averages (each rank divides its own
+   segment); with several, the sum is divided by the global replica count. Each result is copied
+   to its destination devices.
 
 IndexedSlices (embedding gradients) are all-gathered (values and indices), not densified.
 Public methods validate (TF's ``CrossDeviceOps``), ``*_implementation`` methods do the work.
@@ -40,19 +42,41 @@ def _array_module(a):
     return np
 
 
-def _buckets(arrs: List[np.ndarray], bytes_per_pack: int) -> List[List[int]]:
-    if not bytes_per_pack or bytes_per_pack <= 0:
-        return [list(range(len(arrs)))]
-    out, cur, size = [], [], 0
-    for i, a in enumerate(arrs):
-        if cur and size + a.nbytes > bytes_per_pack:
+def fusion_groups(dtypes: List, nbytes: List[int], bytes_per_pack: int) -> List[List[int]]:
+    """Indices of the tensors that travel together: one group per dtype (in order of first appearance),
+    cut into buckets of at most ``bytes_per_pack`` bytes (0 or less: no cut). A tensor larger than the
+    pack size is a bucket of its own.
+
+    Args:
+      dtypes: each tensor's dtype.
+      nbytes: each tensor's size in bytes (-1 when unknown until run time: such a tensor closes its bucket).
+      bytes_per_pack: the bucket size from the options.
+
+    Returns:
+      The groups, each a list of indices in their original order.
+    """
+    by_dtype: dict = {}
+    for i, d in enumerate(dtypes):
+        by_dtype.setdefault(d, []).append(i)
+    out = []
+    for idxs in by_dtype.values():
+        cur, size = [], 0
+        for i in idxs:
+            n = nbytes[i]
+            if cur and bytes_per_pack and bytes_per_pack > 0 and (n < 0 or size + n > bytes_per_pack):
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += max(n, 0)
+        if cur:
             out.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += a.nbytes
-    if cur:
-        out.append(cur)
     return out
+
+
+def _static_nbytes(t) -> int:
+    if not t.shape.is_fully_defined():
+        return -1
+    return int(t.shape.num_elements()) * t.dtype.size
 
 
 class CommCrossDeviceOps(cdo.CrossDeviceOps):
@@ -129,12 +153,18 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
 
         local_sums = [self._local_sum(value_destination_pairs[i][0]) for i in dense_idx]
         if local_sums:
+            mean = reduce_op == reduce_util.ReduceOp.MEAN
+            divide = mean
             if self._ext._num_workers > 1 and not local_only:
-                reduced = self._cross_worker_sum(local_sums, merged, backend)
+                # one replica per worker: the collective's own MEAN divides by the world size (each rank
+                # its own segment, before the all-gather), so no division op per tensor follows
+                folded = mean and n_global == self._ext._num_workers
+                reduced = self._cross_worker_reduce(local_sums, merged, backend, mean=folded)
+                divide = mean and not folded
             else:
                 reduced = local_sums
             for i, r in zip(dense_idx, reduced):
-                if reduce_op == reduce_util.ReduceOp.MEAN:
+                if divide:
                     r = self._divide(r, n_global)
                 results[i] = self._to_destinations(r, value_destination_pairs[i][1])
         for i in sparse_idx:
@@ -147,19 +177,40 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         with tf.device(parts[0].device):
             return parts[0] if len(parts) == 1 else tf.add_n(parts)
 
-    def _cross_worker_sum(self, tensors, merged, backend) -> List[tf.Tensor]:
+    def _cross_worker_reduce(self, tensors, merged, backend, mean: bool) -> List[tf.Tensor]:
+        """All-reduce the tensors across workers in ONE py_function: in the graph, each fusion group
+        (``fusion_groups``: one dtype, at most ``bytes_per_pack`` bytes) is concatenated into a flat
+        tensor; the py_function runs one collective per flat buffer (SUM, or MEAN when ``mean``); the
+        results are split and reshaped back in the graph (static shapes kept)."""
         timeout = merged.timeout_seconds
-        pack = merged.bytes_per_pack
+        groups = fusion_groups([t.dtype for t in tensors], [_static_nbytes(t) for t in tensors],
+                               merged.bytes_per_pack)
+        flats = []
+        for idxs in groups:
+            with tf.device(tensors[idxs[0]].device):
+                parts = [tf.reshape(tensors[i], [-1]) for i in idxs]
+                flats.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
+        op = ReduceOp.MEAN if mean else ReduceOp.SUM
 
         def call(b, arrs):
-            out: List = [None] * len(arrs)
-            for bucket in _buckets(arrs, pack):
-                for j, r in zip(bucket, b.batch_allreduce([arrs[j] for j in bucket], ReduceOp.SUM, timeout)):
-                    out[j] = r
-            return out
+            return [b.allreduce(a, op, timeout) for a in arrs]
 
-        return tensor_ops.run_collective(call, backend, tensors, [t.dtype for t in tensors],
-                                         [t.shape for t in tensors], name="tfcs_batch_allreduce")
+        reduced = tensor_ops.run_collective(call, backend, flats, [f.dtype for f in flats],
+                                            [f.shape for f in flats], name="tfcs_batch_allreduce")
+        out: List = [None] * len(tensors)
+        for idxs, flat in zip(groups, reduced):
+            with tf.device(tensors[idxs[0]].device):
+                if len(idxs) == 1:
+                    pieces = [flat]
+                elif all(tensors[i].shape.is_fully_defined() for i in idxs):
+                    pieces = tf.split(flat, [int(tensors[i].shape.num_elements()) for i in idxs])
+                else:
+                    pieces = tf.split(flat, tf.stack([tf.size(tensors[i]) for i in idxs]), num=len(idxs))
+                for i, piece in zip(idxs, pieces):
+                    t = tensors[i]
+                    shape = t.shape if t.shape.is_fully_defined() else tf.shape(t)
+                    out[i] = tf.reshape(piece, shape)
+        return out
 
     @staticmethod
     def _divide(t, n):
