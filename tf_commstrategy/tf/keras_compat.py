@@ -5,7 +5,8 @@ instances; for any other strategy it concatenates this worker's replicas only. C
 purpose not an MWMS instance (tf_keras would then also sum per-batch training logs across
 workers), so ``reduce_per_replica(..., "concat")`` is routed through tf_keras's own multi-worker
 concatenation (``strategy.gather`` -> our all-gather), in the same replica order it uses for MWMS.
-Every other reduction is left to tf_keras unchanged. Also, ``verbose="auto"`` (the default of
+The metric reads of one ``get_metrics_result`` share one fused reduction (``fused_sync_on_read``);
+every other reduction is left to tf_keras unchanged. Also, ``verbose="auto"`` (the default of
 fit/evaluate/predict) shows the progress bar on rank 0 only, and a tf_commstrategy error inside
 fit/evaluate/predict surfaces as itself (chained from TF's ``UnknownError``).
 """
@@ -94,6 +95,22 @@ def install() -> None:
         _infer_steps.__wrapped__ = original_infer
         _infer_steps._tfcs_agrees = True
         data_adapter.DataHandler._infer_steps = _infer_steps
+
+    # Metrics: tf_keras reads every metric (each Mean: total and count) at every step, one reduction
+    # per variable. Under CommStrategy the reads of one get_metrics_result share ONE fused collective.
+    original_results = training.Model.get_metrics_result
+    if not getattr(original_results, "_tfcs_fused", False):
+        def get_metrics_result(self):
+            from .strategy import CommStrategy
+            strategy = self.distribute_strategy
+            if not isinstance(strategy, CommStrategy):
+                return original_results(self)
+            variables = [v for m in self.metrics for v in m.variables]
+            with strategy.extended.fused_sync_on_read(variables):
+                return original_results(self)
+        get_metrics_result.__wrapped__ = original_results
+        get_metrics_result._tfcs_fused = True
+        training.Model.get_metrics_result = get_metrics_result
 
     # Errors: a PeerLostError (etc.) inside the train step reaches Keras as tf.errors.UnknownError;
     # fit / evaluate / predict re-raise our typed error instead, chained from TF's.

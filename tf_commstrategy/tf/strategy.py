@@ -18,6 +18,7 @@ What differs from MirroredStrategy, and why:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -188,10 +189,67 @@ class CommExtended(mirrored_strategy.MirroredExtended):
                 return tf.identity(tensor_ops.broadcast(value, 0))
         return initial_value_fn
 
+    # -- metric reads: one fused reduction for all of them -------------------------------------------
+    @contextlib.contextmanager
+    def fused_sync_on_read(self, variables):
+        """Inside the block, cross-worker reads of these replica-local (SyncOnRead) variables are served
+        from ONE fused reduction made on entry, instead of one collective per variable.
+
+        tf_keras reads every metric's state (e.g. total and count of each ``Mean``) at every step;
+        ``keras_compat`` wraps ``Model.get_metrics_result`` in this block. Works in replica context
+        (the reduction runs in a ``merge_call``, as each read would) and in cross-replica context.
+        Nothing changes the variables inside the block, and the served values belong to the graph
+        (or eager context) the block was entered in.
+
+        Args:
+          variables: candidate variables; those whose reads stay local, or that are not SUM / MEAN
+            aggregated SyncOnRead variables, are read as usual.
+        """
+        todo = {}
+        if self._num_workers > 1:
+            for v in variables:
+                if (isinstance(v, value_lib.SyncOnReadVariable) and v.aggregation in _FUSED_READ_AGGREGATIONS
+                        and not self._replica_local_read_is_local(v)):
+                    todo.setdefault(v.aggregation, []).append(v)
+        if sum(len(vs) for vs in todo.values()) < 2:
+            yield
+            return
+
+        def prefetch(strategy, groups):
+            cache = {}
+            for aggregation, vs in groups.items():
+                op = reduce_util.ReduceOp.from_variable_aggregation(aggregation)
+                reduced = strategy.extended.batch_reduce_to(op, [(v, v) for v in vs])
+                for v, r in zip(vs, reduced):
+                    cache[id(v)] = (v, op, r)
+            self._read_cache = (_graph_key(), cache)
+
+        ctx = distribute_lib.get_replica_context()
+        if ctx is not None:
+            ctx.merge_call(prefetch, args=(todo,))
+        else:
+            prefetch(self._container_strategy(), todo)
+        try:
+            yield
+        finally:
+            self._read_cache = None
+
+    def _cached_read(self, reduce_op, value):
+        cache = getattr(self, "_read_cache", None)
+        if cache is None or cache[0] != _graph_key():
+            return None
+        hit = cache[1].get(id(value))
+        if hit is None or hit[0] is not value or hit[1] != reduce_op:
+            return None
+        return hit[2]
+
     # -- reductions --------------------------------------------------------------------------------
     def _reduce_to(self, reduce_op, value, destinations, options):
         if isinstance(value, value_lib.Mirrored) and reduce_op == reduce_util.ReduceOp.MEAN:
             return value
+        cached = self._cached_read(reduce_op, value) if isinstance(value, value_lib.SyncOnReadVariable) else None
+        if cached is not None:
+            return cached
         local_only = isinstance(value, value_lib.SyncOnReadVariable) and self._replica_local_read_is_local(value)
         if not isinstance(value, value_lib.DistributedValues) and self._num_workers == 1:
             return cdo.reduce_non_distributed_value(reduce_op, value, destinations, len(self._devices))
@@ -236,6 +294,14 @@ class CommExtended(mirrored_strategy.MirroredExtended):
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         # Always through merge_call -> batch_reduce_to (our fused cross-worker path).
         return distribute_lib.StrategyExtendedV2._replica_ctx_all_reduce(self, reduce_op, value, options)
+
+
+_FUSED_READ_AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
+
+
+def _graph_key():
+    """The graph reads happen in (None when eager), to keep cached reads from leaking across graphs."""
+    return None if tf.executing_eagerly() else id(tf.compat.v1.get_default_graph())
 
 
 def _broadcastable(dtype: tf.DType) -> bool:

@@ -1,0 +1,69 @@
+"""Global metrics under model.fit: every metric read of a step shares one fused collective."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import run_workers
+from tests.multiprocess import tf_workloads as W
+
+STEPS = 4  # global batch 48 over 192 samples
+
+
+def _model(keras):
+    keras.utils.set_random_seed(7)
+    m = keras.Sequential([keras.layers.Dense(16, activation="relu", input_shape=(12,)), keras.layers.Dense(4)])
+    m.compile(optimizer=keras.optimizers.SGD(0.05),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")])
+    return m
+
+
+def _fit(rank, size, distributed):
+    tf = W.setup_tf(1)
+    import tf_keras as keras
+    if distributed:
+        import tf_commstrategy as tfcs
+        strategy = tfcs.CommStrategy()
+    else:
+        strategy = tf.distribute.get_strategy()
+    x, y = W.data("mlp")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(W.GLOBAL_BATCH)
+    with strategy.scope():
+        m = _model(keras)
+    out = {}
+    if distributed:
+        # collectives per train step, whatever fit does once per call (on a model that has only seen the
+        # repeated dataset: a train function traced for a finite one adds tf.distribute's per-step
+        # "who still has data" agreement)
+        from tf_commstrategy.process import default_group
+        backend = default_group().backend("grpc")
+        counts = []
+        m.fit(ds.repeat(), epochs=1, steps_per_epoch=STEPS, verbose=0)
+        for steps in (STEPS, 2 * STEPS):
+            before = backend.stats()["seq"]
+            m.fit(ds.repeat(), epochs=1, steps_per_epoch=steps, verbose=0)
+            counts.append(backend.stats()["seq"] - before)
+        out["per_step"] = (counts[1] - counts[0]) / STEPS
+        with strategy.scope():
+            m = _model(keras)
+    out.update(history=m.fit(ds, epochs=2, verbose=0).history, eval=m.evaluate(ds, verbose=0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_workers(_fit, 1, False, timeout=200)[0]
+
+
+@pytest.mark.timeout(400)
+def test_metric_reads_share_one_collective_and_stay_global(reference):
+    res = run_workers(_fit, 2, True, timeout=300)
+    for r in res:
+        # one fused gradient all-reduce and one fused read of the 6 metric variables (loss, accuracy
+        # and top2: total and count each), instead of one collective per variable
+        assert r["per_step"] == 2, r["per_step"]
+        for key in ("loss", "accuracy", "top2"):
+            np.testing.assert_allclose(r["history"][key], reference["history"][key], rtol=1e-5, atol=1e-6,
+                                       err_msg=key)
+        np.testing.assert_allclose(r["eval"], reference["eval"], rtol=1e-5, atol=1e-6)
+    assert res[0]["history"] == res[1]["history"] and res[0]["eval"] == res[1]["eval"]
