@@ -1,23 +1,32 @@
 """Training throughput of the reference CNN: CommStrategy vs MultiWorkerMirroredStrategy vs the ceiling.
 
-    python benchmarks/keras_throughput.py [--workers 2] [--steps 150] [--json out.json]
+    python benchmarks/keras_throughput.py [--workers 2] [--steps 300] [--rounds 3] [--json out.json]
 
 Model: Conv2D(32,3)-MaxPool-Flatten-Dense(128)-Dense(10) (~0.69 M parameters), MNIST-shaped synthetic
-data, 64 samples per worker per step. Three jobs run one after the other in this invocation:
+data, 64 samples per worker per step. Each round runs these jobs one after the other; rounds repeat
+the sequence, so every job sees the machine in several states and each round's ratios come from one
+run of each job:
 
-* tfcs: N workers under ``tfcs-run`` with ``CommStrategy`` (grpc backend);
-* mwms: N workers with TF_CONFIG and ``MultiWorkerMirroredStrategy(RING)``;
-* ceiling: N independent single-process trainings at the same time (no communication at all), the
-  compute ceiling of this machine.
+* ``tfcs``: N workers under ``tfcs-run`` with ``CommStrategy`` as a user runs it (its defaults: shared
+  memory on one host, thread pools sized to each worker's share of the cores);
+* ``mwms``: N workers with TF_CONFIG and ``MultiWorkerMirroredStrategy(RING)``, TensorFlow's defaults;
+* ``mwms-pools``: the same with the thread pools CommStrategy would choose (``cores // N`` per pool),
+  so that the comparison does not rest on the thread setting alone;
+* ``ceiling`` and ``ceiling-pools``: N independent single-process trainings at the same time (no
+  communication at all), with TF's default pools and with ``cores // N``; the better of the two is
+  the compute ceiling of this machine.
 
-Each worker times ``--steps`` training steps after a warm-up epoch; samples/s are global (summed over
-workers). For tfcs, the time spent inside collectives is reported as the communication share.
+Each worker trains a warm-up epoch, then ``--steps`` steps in one ``fit`` call. Samples/s are global and
+steady-state: from the start of step 20 of that call to the end of its last step (a callback notes the
+times), so the one-off work of starting ``fit`` is not counted; the whole call's time is reported too.
+For tfcs the time spent inside collectives (rank 0) gives the step-time split.
 """
 
 import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,6 +34,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PER_WORKER_BATCH = 64
+SKIP = 20  # steps of the timed fit call not counted (first-step effects of the call itself)
+JOBS = ("tfcs", "mwms", "mwms-pools", "ceiling", "ceiling-pools")
 
 
 def worker(mode, steps, out):
@@ -33,7 +44,7 @@ def worker(mode, steps, out):
     import numpy as np
     import tensorflow as tf
     import tf_keras as keras
-    threads = os.environ.get("TFCS_BENCH_TF_THREADS")  # e.g. "1": intra/inter-op threads for every job
+    threads = os.environ.get("TFCS_BENCH_TF_THREADS")  # a pool size for this job (the "-pools" jobs)
     if threads:
         tf.config.threading.set_intra_op_parallelism_threads(int(threads))
         tf.config.threading.set_inter_op_parallelism_threads(int(threads))
@@ -47,7 +58,7 @@ def worker(mode, steps, out):
         import tf_commstrategy as tfcs
         strategy = tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
         global_batch = PER_WORKER_BATCH * n
-    elif mode == "mwms":
+    elif mode.startswith("mwms"):
         opts = tf.distribute.experimental.CommunicationOptions(
             implementation=tf.distribute.experimental.CommunicationImplementation.RING)
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=opts)
@@ -66,15 +77,28 @@ def worker(mode, steps, out):
         model.compile(optimizer="adam", metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(ds, epochs=1, steps_per_epoch=20, verbose=0)  # warm-up: tracing, first collectives
-    comm0 = _comm_seconds(mode)
+    marks = {}
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == SKIP:
+                marks["begin"] = time.perf_counter()
+                marks["comm0"] = _comm_seconds(mode)
+
+        def on_train_batch_end(self, batch, logs=None):
+            marks["end"] = time.perf_counter()
+
     t0 = time.perf_counter()
-    model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
-    wall = time.perf_counter() - t0
-    comm = _comm_seconds(mode) - comm0
-    if rank == 0:
+    model.fit(ds, epochs=1, steps_per_epoch=steps + SKIP, verbose=0, callbacks=[Clock()])
+    call_s = time.perf_counter() - t0
+    comm = _comm_seconds(mode) - marks["comm0"]
+    if rank == 0 or mode.startswith("ceiling"):
         with open(out, "w") as f:
-            json.dump({"mode": mode, "wall_s": wall, "steps": steps, "global_batch": global_batch,
-                       "params": model.count_params(), "comm_s": comm}, f)
+            json.dump({"mode": mode, "wall_s": marks["end"] - marks["begin"], "steps": steps,
+                       "global_batch": global_batch, "params": model.count_params(), "comm_s": comm,
+                       "fit_call_s": call_s, "fit_call_steps": steps + SKIP,
+                       "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+                       "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads()}, f)
 
 
 def _comm_seconds(mode):
@@ -98,30 +122,69 @@ def run_mode(mode, n, steps):
     d = tempfile.mkdtemp()
     outs = [os.path.join(d, f"r{i}.json") for i in range(n)]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--steps", str(steps)]
+    env = dict(os.environ)
+    if mode.endswith("-pools"):
+        env["TFCS_BENCH_TF_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
     if mode.startswith("tfcs"):
         transport = ["--transport", "grpc"] if mode == "tfcs-grpc" else []
         subprocess.run([sys.executable, "-m", "tf_commstrategy.run", "-np", str(n)] + transport + cmd +
-                       ["--out", outs[0]], check=True)
+                       ["--out", outs[0]], check=True, env=env)
         results = [json.load(open(outs[0]))]
     else:
         ports = _free_ports(n)
         procs = []
         for r in range(n):
-            env = dict(os.environ, TFCS_RANK=str(r), TFCS_WORLD_SIZE=str(n) if mode == "mwms" else "1",
-                       TFCS_BENCH_SLOT=str(r))
-            if mode == "mwms":
-                env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-                                               "task": {"type": "worker", "index": r}})
+            wenv = dict(env, TFCS_RANK=str(r), TFCS_WORLD_SIZE=str(n) if mode.startswith("mwms") else "1",
+                        TFCS_BENCH_SLOT=str(r))
+            if mode.startswith("mwms"):
+                wenv["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                                                "task": {"type": "worker", "index": r}})
             else:
-                env["TFCS_RANK"] = "0"
-            procs.append(subprocess.Popen(cmd + ["--out", outs[r]], env=env))
+                wenv["TFCS_RANK"] = "0"
+            procs.append(subprocess.Popen(cmd + ["--out", outs[r]], env=wenv))
         for p in procs:
             if p.wait() != 0:
                 raise SystemExit(f"{mode} worker failed")
-        results = [json.load(open(o)) for o in (outs if mode == "ceiling" else outs[:1])]
+        results = [json.load(open(o)) for o in (outs if mode.startswith("ceiling") else outs[:1])]
     sps = sum(r["global_batch"] * r["steps"] / r["wall_s"] for r in results)
-    res = dict(results[0], samples_per_s=sps, step_ms=1e3 * results[0]["wall_s"] / steps)
-    return res
+    call_sps = sum(r["global_batch"] * r["fit_call_steps"] / r["fit_call_s"] for r in results)
+    return dict(results[0], samples_per_s=sps, step_ms=1e3 * results[0]["wall_s"] / steps,
+                fit_call_samples_per_s=call_sps)
+
+
+def summarize(rounds, workers, steps):
+    """Markdown: the median of each job over the rounds, and each round's ratios."""
+    jobs = list(rounds[0])
+    med = {j: statistics.median(r[j]["samples_per_s"] for r in rounds) for j in jobs}
+    lines = [f"reference CNN ({rounds[0][jobs[0]]['params']:,} parameters), {workers} workers x "
+             f"{PER_WORKER_BATCH} samples, {steps} timed steps, {len(rounds)} rounds\n",
+             "| job | pools (intra/inter) | samples/s, median of rounds | step time | each round |",
+             "|---|---|---|---|---|"]
+    for j in jobs:
+        r0 = rounds[0][j]
+        pools = f"{r0['intra_op_threads'] or 'TF default'}/{r0['inter_op_threads'] or 'TF default'}"
+        each = ", ".join(f"{r[j]['samples_per_s']:,.0f}" for r in rounds)
+        lines.append(f"| {j} | {pools} | {med[j]:,.0f} | {1e3 * PER_WORKER_BATCH * workers / med[j]:.1f} ms "
+                     f"| {each} |")
+    if {"tfcs", "mwms"} <= set(jobs):
+        lines += ["", "| round | tfcs / mwms | tfcs / best MWMS | tfcs / ceiling (best) | tfcs comm share |",
+                  "|---|---|---|---|---|"]
+        for i, r in enumerate(rounds, 1):
+            t = r["tfcs"]["samples_per_s"]
+            best_m = max(r[j]["samples_per_s"] for j in jobs if j.startswith("mwms"))
+            ceil = [r[j]["samples_per_s"] for j in jobs if j.startswith("ceiling")]
+            share = r["tfcs"]["comm_s"] / r["tfcs"]["wall_s"]
+            lines.append(f"| {i} | {t / r['mwms']['samples_per_s']:.2f}x | {t / best_m:.2f}x | "
+                         f"{t / max(ceil):.2f} | {100 * share:.0f}% |" if ceil else
+                         f"| {i} | {t / r['mwms']['samples_per_s']:.2f}x | {t / best_m:.2f}x | - | "
+                         f"{100 * share:.0f}% |")
+        share = statistics.median(r["tfcs"]["comm_s"] / r["tfcs"]["wall_s"] for r in rounds)
+        step = 1e3 * PER_WORKER_BATCH * workers / med["tfcs"]
+        lines.append(f"\ntfcs step-time split (rank 0, median share): {step * (1 - share):.1f} ms compute and "
+                     f"framework, {step * share:.1f} ms inside collectives ({100 * share:.0f}%)")
+        lines.append("whole fit() call incl. its start (samples/s, round 1): " + ", ".join(
+            f"{j} {rounds[0][j]['fit_call_samples_per_s']:,.0f}" for j in jobs))
+    return "\n".join(lines)
 
 
 def main():
@@ -129,35 +192,24 @@ def main():
     p.add_argument("--worker")
     p.add_argument("--out")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
-    p.add_argument("--modes", default="tfcs,tfcs-grpc,mwms,ceiling")
+    p.add_argument("--modes", default=",".join(JOBS))
     a = p.parse_args()
     if a.worker:
         return worker(a.worker, a.steps, a.out)
     modes = a.modes.split(",")
-    res = {m: run_mode(m, a.workers, a.steps) for m in modes}
-    if not {"tfcs", "mwms", "ceiling"} <= set(modes):
-        print(json.dumps(res, indent=1))
-        return
-    t, m, c = res["tfcs"], res["mwms"], res["ceiling"]
-    print(f"\nreference CNN ({t['params']:,} parameters), {a.workers} workers x {PER_WORKER_BATCH} samples, "
-          f"{a.steps} timed steps\n")
-    print("| job | samples/s (global) | step time | vs MWMS | fraction of ceiling |")
-    print("|---|---|---|---|---|")
-    rows = [("tfcs CommStrategy (default transport: shared memory)", t)]
-    if "tfcs-grpc" in res:
-        rows.append(("tfcs CommStrategy (gRPC ring)", res["tfcs-grpc"]))
-    rows += [("TF MultiWorkerMirroredStrategy (RING)", m), ("ceiling: independent processes", c)]
-    for name, r in rows:
-        print(f"| {name} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} ms | "
-              f"{r['samples_per_s'] / m['samples_per_s']:.2f}x | {r['samples_per_s'] / c['samples_per_s']:.2f} |")
-    share = t["comm_s"] / t["wall_s"]
-    print(f"\ntfcs step-time split (rank 0): {t['step_ms'] * (1 - share):.1f} ms compute and framework, "
-          f"{t['step_ms'] * share:.1f} ms inside collectives ({100 * share:.0f}%)")
+    rounds = []
+    for i in range(a.rounds):
+        rounds.append({m: run_mode(m, a.workers, a.steps) for m in modes})
+        print(f"round {i + 1}: " + ", ".join(f"{m} {r['samples_per_s']:,.0f}" for m, r in rounds[-1].items()),
+              flush=True)
+    print("\n" + summarize(rounds, a.workers, a.steps))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({"workers": a.workers, "steps": a.steps, "rounds": rounds, "machine": {
+                "cores": len(os.sched_getaffinity(0)), "date": time.strftime("%Y-%m-%d")}}, f, indent=1)
 
 
 if __name__ == "__main__":
