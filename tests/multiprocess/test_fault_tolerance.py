@@ -48,8 +48,10 @@ def _check_kill(r, reports, victim=2):
 
 
 @pytest.mark.timeout(200)
-def test_kill9_during_fit_survivors_raise_peer_lost_naming_it(tmp_path):
-    r, reports, _ = _job(tmp_path, "--fault", "kill", "--victim", "2", "--at", "5")
+@pytest.mark.parametrize("transport", ["auto", "tcp"])  # shared memory (the default here), raw TCP sockets
+def test_kill9_during_fit_survivors_raise_peer_lost_naming_it(tmp_path, transport):
+    r, reports, _ = _job(tmp_path, "--fault", "kill", "--victim", "2", "--at", "5",
+                         run_args=("--transport", transport))
     _check_kill(r, reports)
 
 

@@ -34,7 +34,8 @@ def _small_shm(rank, size):
     tfcs.init()
     got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
     b = default_group().backend("grpc")
-    return b.transport, b._ring.shm_in is not None, got[-3:].tolist(), [w for w in warnings if "shared memory" in w]
+    return (b.transport, isinstance(b._ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(),
+            [w for w in warnings if "shared memory" in w])
 
 
 def test_too_small_dev_shm_falls_back_to_unix_sockets_with_one_warning():

@@ -70,7 +70,7 @@ def test_frames_arrive_in_order_across_many_wraps_and_full_ring_queues():
             tx.send_frame(5, sent, 0, b"sig", payloads[sent])
             sent += 1
         queued_peak = max(queued_peak, len(tx._pending))
-        sig, view = rx.take((5, got, 0), time.monotonic() + 5, b"sig", pump=tx.pump)
+        sig, view = rx.take((5, got, 0), time.monotonic() + 5, b"sig", outbound=tx)
         assert sig == b"sig" and np.array_equal(view, payloads[got]), got
         got += 1
     rx.release()

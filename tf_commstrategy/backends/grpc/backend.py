@@ -55,17 +55,17 @@ class _Link:
             sub.finish()
         if self._ring.stream is None:
             return
-        if self._ring.shm_in is not None:
-            self._ring.shm_in.release()
+        if self._ring.inbound is not None:
+            self._ring.inbound.release()
         self._ring.stream.drain(max(0.1, self._deadline - time.monotonic()), abort=self._b.mailbox.error_now)
 
     def recv(self, key):
         right = self._ring.stream
-        pump = getattr(right, "pump", None)  # a shared-memory outbound writes queued frames while we wait
+        pump = getattr(right, "pump", None)  # an inline outbound writes queued frames while we wait
         wkey = (self._seq, links.wire_step(self._rid, key[0]), key[1])
-        if self._ring.shm_in is not None:
-            item = self._ring.shm_in.take(wkey, self._deadline, self._sig, abort=self._b.mailbox.error_now,
-                                          pump=pump)
+        if self._ring.inbound is not None:  # shared memory or a raw socket, read in this thread
+            item = self._ring.inbound.take(wkey, self._deadline, self._sig, abort=self._b.mailbox.error_now,
+                                           outbound=right)
         else:
             item = self._b.mailbox.take(wkey, self._deadline, self._left, self._sig,
                                         health=right.broken if right is not None else None, pump=pump)
@@ -175,8 +175,7 @@ class GrpcRingBackend(Backend):
         srv = self._socket_servers.get(kind)
         if srv is None:
             g = self.group
-            srv = socket_transport.SocketServer(self.rank, self.size, kind, g.bind_host, g.token, self.mailbox,
-                                                self.describe)
+            srv = socket_transport.SocketServer(self.rank, self.size, kind, g.bind_host, g.token, self.describe)
             self._socket_servers[kind] = srv
             g.store.set(f"sock/{kind}/{self.rank}", srv.address or f"{g.advertise_host}:{srv.port}")
         return srv

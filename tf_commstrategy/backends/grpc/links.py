@@ -49,7 +49,7 @@ class RingLinks:
         self.left = members[(self.rank - 1) % self.size]    # global ranks of the neighbours
         self.right = members[(self.rank + 1) % self.size]
         self.stream = None
-        self.shm_in: Optional[shm_transport.ShmReceiver] = None
+        self.inbound = None  # the left neighbour's frames read in the calling thread (shm or socket receiver)
         self._shm: Optional[shm_transport.ShmLinks] = None
         self.transport = "none"
         if self.size == 1:
@@ -64,8 +64,8 @@ class RingLinks:
                                                outbound == "shm", [x.pid for x in w], backend.describe,
                                                backend.chunk_bytes, g.rendezvous_timeout, spin,
                                                prefix=f"shm{ring_id}")
-            self.shm_in = self._shm.receiver
-            if inbound == "shm" and self.shm_in is None:
+            self.inbound = self._shm.receiver
+            if inbound == "shm" and self.inbound is None:
                 inbound = "unix"
             if outbound == "shm" and self._shm.sender is None:
                 outbound = "unix"
@@ -75,11 +75,15 @@ class RingLinks:
             self.stream = self._shm.sender
         elif outbound in ("unix", "tcp"):
             addr = g.store.get(f"sock/{outbound}/{self.right}", g.rendezvous_timeout)
-            self.stream = socket_transport.SocketStream(addr, g.token, self.right, backend.rank,
-                                                        g.rendezvous_timeout, describe=backend.describe)
+            self.stream = socket_transport.SocketSender.connect(addr, g.token, self.right, backend.rank,
+                                                                g.rendezvous_timeout, describe=backend.describe,
+                                                                ring_id=ring_id)
         else:
             self.stream = transport.PeerStream(backend.address_of(self.right), g.token, self.right, backend.rank,
                                                tls=g.tls, describe=backend.describe)
+        if inbound in ("unix", "tcp"):  # the left neighbour connected to our server (or is about to)
+            conn = backend.socket_server(inbound).take_connection(ring_id, self.left, g.rendezvous_timeout)
+            self.inbound = socket_transport.SocketReceiver(conn, self.left, backend.rank, backend.describe, inbound)
         self.transport = outbound
         if ring_id == 0:
             log.info("tf_commstrategy rank %d: ring data path to rank %d: %s", backend.rank, self.right, outbound)
@@ -91,7 +95,7 @@ class RingLinks:
         if self.stream is not None:
             self.stream.close()
             self.stream = None
-        if self.shm_in is not None:
-            self.shm_in.close()
-            self.shm_in = None
+        if self.inbound is not None:
+            self.inbound.close()
+            self.inbound = None
         self._shm = None

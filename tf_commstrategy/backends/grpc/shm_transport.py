@@ -303,8 +303,7 @@ class _Waiter:
         spin_end = time.monotonic() + self.spin_s
         while True:
             seen = self.bell.value()
-            if pump is not None:
-                pump()
+            busy = pump() if pump is not None else False
             if ready():
                 return True
             now = time.monotonic()
@@ -322,7 +321,8 @@ class _Waiter:
                 raise self.explain(self.lost(), abort)
             if now >= deadline:
                 return ready()
-            self.bell.wait(seen, min(SLICE_S, deadline - now))
+            # frames still queued for a socket outbound: come back soon to write them
+            self.bell.wait(seen, min(0.0005 if busy else SLICE_S, deadline - now))
 
 
 class _RingEnd:
@@ -435,8 +435,9 @@ class ShmReceiver(_RingEnd):
             self._ctl[TAIL] = self._tail
             self.peer_bell.ring()
 
-    def take(self, key, deadline: float, sig: bytes, abort=None, pump=None):
+    def take(self, key, deadline: float, sig: bytes, abort=None, outbound=None):
         """The frame for ``key`` = (seq, step, chunk): (sig, payload uint8 view) or None at the deadline.
+        ``outbound`` (this rank's stream to its right neighbour) is pumped while waiting.
 
         The view stays valid until the next ``take`` / ``release``. A frame of the same collective
         under another signature returns (its sig, None) like the mailbox; a frame of another collective
@@ -448,7 +449,7 @@ class ShmReceiver(_RingEnd):
         def ready():
             return int(ctl[HEAD]) > self._tail or int(ctl[CLOSED]) != 0
 
-        if not self.waiter.until(ready, deadline, abort, pump):
+        if not self.waiter.until(ready, deadline, abort, getattr(outbound, "pump", None)):
             return None
         while True:
             if int(ctl[HEAD]) <= self._tail:  # closed, nothing left

@@ -1,19 +1,29 @@
 """Raw-socket data path under the ring: Unix sockets between ranks on one host, opt-in TCP between hosts.
 
 gRPC stays the control plane (rendezvous, abort, addresses); only the chunk stream to the right
-neighbour moves here, framed exactly as on the gRPC path (``wire``), into the same ``Mailbox``.
+neighbour moves here, framed as on the gRPC path (``wire``) plus the payload length.
 
-* send: ``sendmsg`` of header, signature and the array's own memory (no copy) from one sender thread
-  per stream, so the ring's "send a segment, then receive" never blocks on a full socket buffer;
-* receive: one thread per incoming connection reads the header, then ``recv_into`` a fresh buffer that
-  the mailbox hands to the ring without another copy;
+Both ends run in the calling thread, as the shared-memory path does (measured: one thread with
+non-blocking sockets beat a sender and a receiver thread per connection, whose hand-offs under the
+GIL dominated mid-size messages):
+
+* send (``SocketSender``): ``sendmsg`` of header, signature, length and the array's own memory (no
+  copy), non-blocking; what does not fit in the socket buffer is queued and written by ``pump``, which
+  every wait of this rank calls, and by ``drain`` at the end of the collective;
+* receive (``SocketReceiver``): the ring's ``take`` reads the next frame from the left neighbour's
+  connection straight into a payload buffer that is reused from frame to frame (no allocation, no
+  copy), while polling the outbound socket too, so two neighbours sending to each other never block;
 * a connection starts with a challenge: the server sends a fresh random nonce, the client answers
-  with a hello (magic, rank, HMAC-SHA256(token, magic + rank + nonce)), so the token never crosses
-  the socket and a recorded hello cannot be replayed; a wrong answer or a malformed frame closes
-  the connection, logged once; an EOF without the BYE frame reports the peer as lost.
+  with a hello (magic, rank, ring id, HMAC-SHA256(token, magic + rank + ring id + nonce)), so the
+  token never crosses the socket and a recorded hello cannot be replayed; a wrong answer closes the
+  connection, logged once. An authenticated connection is handed to the ring it names; a frame other
+  than the one the ring expects, or larger than ``MAX_FRAME_BYTES``, fails the collective; an EOF
+  without the BYE frame reports the peer as lost.
 
-Unix sockets live in the abstract namespace (no file to clean up after a crash) under an
-unguessable name; the token check keeps other local users out.
+Every wait polls in slices of at most ``SLICE_S``, checking the abort state (peer lost elsewhere,
+timeout, mismatch reported over gRPC) and the deadline. Unix sockets live in the abstract namespace
+(no file to clean up after a crash) under an unguessable name; the token check keeps other local
+users out.
 """
 
 from __future__ import annotations
@@ -22,12 +32,13 @@ import hashlib
 import hmac
 import logging
 import os
-import queue
 import secrets
+import select
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from typing import Optional, Tuple
 
 import numpy as np
@@ -37,17 +48,18 @@ from . import wire
 
 log = logging.getLogger("tf_commstrategy")
 
-HELLO = struct.Struct("<8sI32s")  # magic, sender rank, HMAC-SHA256(token, magic + rank + nonce)
+HELLO = struct.Struct("<8sII32s")  # magic, sender rank, ring id, HMAC-SHA256(token, magic + rank + ring + nonce)
 HELLO_MAGIC = b"TFCSSOCK"
 NONCE_BYTES = 16
-_CLOSE = object()
 HELLO_TIMEOUT_S = 30.0
+SLICE_S = 0.05  # longest poll between checks of the abort state and the deadline
+LENGTH = struct.Struct("<Q")
 MAX_FRAME_BYTES = 1 << 30  # one ring chunk (TFCS_CHUNK_BYTES, 4 MiB by default) is far smaller
 
 
-def _mac(token: Optional[str], rank: int, nonce: bytes) -> bytes:
+def _mac(token: Optional[str], rank: int, nonce: bytes, ring_id: int = 0) -> bytes:
     key = (token or "").encode()
-    return hmac.new(key, HELLO_MAGIC + struct.pack("<I", rank) + nonce, hashlib.sha256).digest()
+    return hmac.new(key, HELLO_MAGIC + struct.pack("<II", rank, ring_id) + nonce, hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> Optional[bytearray]:
@@ -73,14 +85,16 @@ def _tune(sock: socket.socket) -> None:
 
 
 class SocketServer:
-    """Accepts data connections from peers and feeds their frames into the mailbox."""
+    """Accepts data connections from peers, checks their hello, and keeps each one for the ring it
+    names until that ring takes it (``take_connection``)."""
 
-    def __init__(self, rank: int, world_size: int, kind: str, bind_host: str, token: Optional[str],
-                 mailbox: wire.Mailbox, describe_peer):
+    def __init__(self, rank: int, world_size: int, kind: str, bind_host: str, token: Optional[str], describe_peer):
         self.rank, self.world_size, self.kind = rank, world_size, kind
-        self._token, self._mailbox, self._describe = token, mailbox, describe_peer
+        self._token, self._describe = token, describe_peer
         self._closing = threading.Event()
         self._bad_logged = False
+        self._cv = threading.Condition()
+        self._conns = {}  # (ring id, sender rank) -> authenticated socket not yet taken by its ring
         if kind == "unix":
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             name = f"\0tfcs-{os.getpid()}-{secrets.token_hex(12)}"
@@ -120,69 +134,50 @@ class SocketServer:
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
+        """Authenticate a new connection, then hand it to the ring it names (``take_connection``)."""
         _tune(conn)
-        sender = None
         try:
             nonce = secrets.token_bytes(NONCE_BYTES)
             conn.settimeout(HELLO_TIMEOUT_S)  # a silent client is dropped, not waited for
             conn.sendall(nonce)
             hello = _recv_exact(conn, HELLO.size)
             if hello is None:
+                conn.close()
                 return
-            conn.settimeout(None)
-            magic, sender, mac = HELLO.unpack(bytes(hello))
+            magic, sender, ring_id, mac = HELLO.unpack(bytes(hello))
             if magic != HELLO_MAGIC or sender >= self.world_size or not hmac.compare_digest(
-                    mac, _mac(self._token, sender, nonce)):
+                    mac, _mac(self._token, sender, nonce, ring_id)):
                 self._log_bad("bad hello or job token")
-                sender = None
+                conn.close()
                 return
-            while True:
-                head = _recv_exact(conn, wire.HEADER.size)
-                if head is None:
-                    break
-                magic, version, seq, step, chunk, frm, sig_len = wire.HEADER.unpack(bytes(head))
-                if magic != wire.MAGIC or version != wire.VERSION or frm != sender:
-                    self._log_bad("malformed frame header")
-                    sender = None
-                    break
-                if step == wire.BYE_STEP:
-                    self._mailbox.peer_gone(sender, PeerLostError(
-                        f"rank {sender} ({self._describe(sender)}) shut down its process group while rank "
-                        f"{self.rank} still expected data from it", rank=self.rank, peer_rank=sender,
-                        fix="every rank must make the same collective calls; a rank left early"))
-                    return
-                sig_and_len = _recv_exact(conn, sig_len + 8)
-                if sig_and_len is None:
-                    break
-                sig = bytes(sig_and_len[:sig_len])
-                (nbytes,) = struct.unpack("<Q", sig_and_len[sig_len:])
-                if nbytes > MAX_FRAME_BYTES:
-                    self._log_bad(f"frame of {nbytes} bytes (limit {MAX_FRAME_BYTES})")
-                    sender = None
-                    break
-                payload = np.empty(nbytes, dtype=np.uint8)
-                view = memoryview(payload)
-                got = 0
-                while got < nbytes:
-                    k = conn.recv_into(view[got:], nbytes - got)
-                    if k == 0:
-                        break
-                    got += k
-                if got < nbytes:
-                    break
-                if not self._mailbox.deposit((seq, step, chunk), sig, view):
-                    self._log_bad(f"frame for collective #{seq}, which is not running here")
-                    sender = None  # not a lost peer: a rejected connection
-                    break
         except OSError:
-            pass
-        finally:
             conn.close()
-            if sender is not None and not self._closing.is_set():
-                self._mailbox.peer_gone(sender, PeerLostError(
-                    f"the {self.kind} data connection from rank {sender} ({self._describe(sender)}) broke: the "
-                    f"process died, was killed, or the network between the hosts failed", rank=self.rank,
-                    peer_rank=sender, fix=f"look at rank {sender}'s log for the cause"))
+            return
+        with self._cv:
+            old = self._conns.pop((ring_id, sender), None)
+            self._conns[(ring_id, sender)] = conn
+            self._cv.notify_all()
+        if old is not None:  # a newer connection of the same ring and rank replaces it
+            old.close()
+
+    def take_connection(self, ring_id: int, sender: int, timeout: float) -> socket.socket:
+        """The authenticated connection from rank ``sender`` for ring ``ring_id``, waiting for it.
+
+        Raises:
+          RendezvousError: it did not arrive within ``timeout`` seconds.
+        """
+        end = time.monotonic() + timeout
+        with self._cv:
+            while (ring_id, sender) not in self._conns:
+                left = end - time.monotonic()
+                if left <= 0 or self._closing.is_set():
+                    raise RendezvousError(
+                        f"rank {sender} ({self._describe(sender)}) did not open its {self.kind} data connection to "
+                        f"rank {self.rank} within {timeout:g} s", rank=self.rank,
+                        fix=f"rank {sender} may have died while starting (see its log); a firewall may block "
+                            "the port (TFCS_TRANSPORT=grpc avoids raw sockets)")
+                self._cv.wait(min(left, 1.0))
+            return self._conns.pop((ring_id, sender))
 
     def stop(self) -> None:
         self._closing.set()
@@ -191,6 +186,11 @@ class SocketServer:
         except OSError:
             pass
         self._sock.close()
+        with self._cv:
+            for conn in self._conns.values():
+                conn.close()
+            self._conns.clear()
+            self._cv.notify_all()
 
 
 def _views(parts):
@@ -219,17 +219,51 @@ def _connect(address: str, timeout: float) -> socket.socket:
     return s
 
 
-class SocketStream:
-    """Frames to one peer over a raw socket, sent by a background thread (same interface as PeerStream)."""
+def _lost(my_rank: int, peer_rank: int, who: str, what: str, address: Optional[str] = None) -> PeerLostError:
+    return PeerLostError(f"the data connection with rank {peer_rank} ({who}) broke ({what}): the process died, "
+                         f"was killed, or the network between the hosts failed", rank=my_rank,
+                         peer_rank=peer_rank, peer_address=address, fix=f"look at rank {peer_rank}'s log for the cause")
 
-    def __init__(self, address: str, token: Optional[str], peer_rank: int, my_rank: int, timeout: float,
-                 describe=None):
-        self.address, self.peer_rank, self.my_rank = address, peer_rank, my_rank
-        self._who = describe(peer_rank) if describe is not None else address
+
+def _poll_wait(inbound: Optional[socket.socket], outbound, timeout: float) -> None:
+    """Sleep until ``inbound`` is readable or ``outbound`` (a stream with queued frames) writable."""
+    poller = select.poll()
+    if inbound is not None:
+        poller.register(inbound.fileno(), select.POLLIN)
+    fd = outbound.wait_fd() if outbound is not None and hasattr(outbound, "wait_fd") else None
+    if fd is not None:
+        poller.register(fd, select.POLLOUT)
+    poller.poll(max(0.0, timeout) * 1000.0)
+
+
+class SocketSender:
+    """Frames to the right neighbour over a raw socket, written from the calling thread.
+
+    ``send_frame`` writes what the socket takes without blocking and queues the rest; ``pump`` (called
+    from every wait of this rank) and ``drain`` (at the end of each collective) write the queue.
+    ``payload`` is sent from its own memory: it must stay unchanged until ``drain`` returns, or until
+    the ring's causality guarantees the bytes left (see core/ring.py).
+    """
+
+    def __init__(self, sock: socket.socket, peer_rank: int, my_rank: int, who: str, address: Optional[str] = None):
+        self.address, self.peer_rank, self.my_rank, self._who = address, peer_rank, my_rank, who
+        self._sock = sock
+        sock.setblocking(False)
+        self._pending: deque = deque()  # memoryview lists of frames not fully written yet, in order
+        self._error: Optional[BaseException] = None
+
+    @classmethod
+    def connect(cls, address: str, token: Optional[str], peer_rank: int, my_rank: int, timeout: float,
+                describe=None, ring_id: int = 0) -> "SocketSender":
+        """Open the connection to rank ``peer_rank``'s data server and answer its challenge.
+
+        Raises:
+          RendezvousError: the server cannot be reached or hung up before its challenge.
+        """
         try:
-            self._sock = _connect(address, timeout)
-            self._sock.settimeout(timeout)
-            nonce = _recv_exact(self._sock, NONCE_BYTES)
+            sock = _connect(address, timeout)
+            sock.settimeout(timeout)
+            nonce = _recv_exact(sock, NONCE_BYTES)
         except OSError as e:
             raise RendezvousError(f"cannot open the data connection to rank {peer_rank} at {address}: {e}",
                                   rank=my_rank, address=address,
@@ -240,84 +274,56 @@ class SocketStream:
             raise RendezvousError(f"the data server of rank {peer_rank} at {address} closed the connection "
                                   f"before its challenge", rank=my_rank, address=address,
                                   fix=f"rank {peer_rank} probably died while starting; see its log")
-        self._sock.settimeout(None)
-        self._sock.sendall(HELLO.pack(HELLO_MAGIC, my_rank, _mac(token, my_rank, bytes(nonce))))
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._error: Optional[BaseException] = None
-        self._idle = threading.Event()
-        self._idle.set()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="tfcs-socket-send", daemon=True)
-        self._thread.start()
+        sock.sendall(HELLO.pack(HELLO_MAGIC, my_rank, ring_id, _mac(token, my_rank, bytes(nonce), ring_id)))
+        return cls(sock, peer_rank, my_rank, describe(peer_rank) if describe is not None else address, address)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _CLOSE:
-                return
-            try:
-                if self._error is None:
-                    self._send_parts(item if isinstance(item, list) else _views(item))
-            except OSError as e:
-                self._error = PeerLostError(
-                    f"the data connection to rank {self.peer_rank} ({self._who}) broke ({e})",
-                    rank=self.my_rank, peer_rank=self.peer_rank, peer_address=self.address,
-                    fix=f"rank {self.peer_rank} probably died; see its log")
-            with self._lock:
-                self._pending -= 1
-                if self._pending == 0:
-                    self._idle.set()
-
-    def _send_parts(self, views) -> None:
-        while views:
-            _advance(views, self._sock.sendmsg(views))
+    def _fail(self, e: OSError) -> PeerLostError:
+        self._error = _lost(self.my_rank, self.peer_rank, self._who, str(e), self.address)
+        self._pending.clear()
+        return self._error
 
     def send_frame(self, seq: int, step: int, chunk: int, sig: bytes, payload) -> None:
-        """Queue one frame; ``payload`` is sent from its own memory (it must stay unchanged until
-        ``drain`` returns or the ring's causality guarantees the bytes left, see core/ring.py)."""
         if self._error is not None:
             raise self._error
         nbytes = memoryview(payload).nbytes if len(payload) else 0
         head = wire.HEADER.pack(wire.MAGIC, wire.VERSION, seq, step, chunk, self.my_rank, len(sig))
-        views = _views((head, sig, struct.pack("<Q", nbytes), payload))
-        with self._lock:
-            if self._pending == 0:
-                # Nothing queued: try to send right here, without blocking (saves a thread hand-off).
-                try:
-                    _advance(views, self._sock.sendmsg(views, (), socket.MSG_DONTWAIT))
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError as e:
-                    self._error = PeerLostError(
-                        f"the data connection to rank {self.peer_rank} ({self._who}) broke ({e})",
-                        rank=self.my_rank, peer_rank=self.peer_rank, peer_address=self.address,
-                        fix=f"rank {self.peer_rank} probably died; see its log")
-                    raise self._error from None
-                if not views:
-                    return
-            self._pending += 1
-            self._idle.clear()
-        self._queue.put(views)  # the rest goes out from the sender thread, in order
+        self._pending.append(_views((head, sig, LENGTH.pack(nbytes), payload)))
+        if len(self._pending) == 1:
+            self.pump()
+
+    def pump(self) -> bool:
+        """Write queued frames as far as the socket takes them; True while some are still queued."""
+        while self._pending:
+            views = self._pending[0]
+            try:
+                _advance(views, self._sock.sendmsg(views))
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as e:
+                raise self._fail(e) from None
+            if not views:
+                self._pending.popleft()
+        return False
+
+    def wait_fd(self) -> Optional[int]:
+        """The socket to poll for writability while frames are queued, else None."""
+        return self._sock.fileno() if self._pending else None
 
     def drain(self, timeout: float, abort=None) -> None:
-        """Wait until everything queued is on the wire (the caller may then reuse the buffers).
-
-        ``abort()``, polled while waiting, may return an error to raise instead (peer lost elsewhere).
-        """
+        """Write everything queued (the caller may then reuse the buffers), polling the abort state."""
         end = time.monotonic() + timeout
-        while not self._idle.wait(min(0.2, max(0.0, end - time.monotonic()))):
+        while self.pump():
             problem = abort() if abort is not None else None
             if problem is not None:
                 raise problem
-            if time.monotonic() >= end:
-                break
-        if not self._idle.is_set():
-            raise CollectiveTimeoutError(
-                f"could not hand data to rank {self.peer_rank} ({self._who}) before the deadline "
-                f"({timeout:g} s left): it stopped reading (stalled or stuck)", rank=self.my_rank,
-                waiting_for=[self.peer_rank],
-                fix=f"rank {self.peer_rank} is stuck; see its log, or raise the deadline (TFCS_TIMEOUT)")
+            left = end - time.monotonic()
+            if left <= 0:
+                raise CollectiveTimeoutError(
+                    f"could not hand data to rank {self.peer_rank} ({self._who}) before the deadline "
+                    f"({timeout:g} s left): it stopped reading (stalled or stuck)", rank=self.my_rank,
+                    waiting_for=[self.peer_rank],
+                    fix=f"rank {self.peer_rank} is stuck; see its log, or raise the deadline (TFCS_TIMEOUT)")
+            _poll_wait(None, self, min(left, SLICE_S))
         if self._error is not None:
             raise self._error
 
@@ -327,19 +333,140 @@ class SocketStream:
     def close(self, timeout: float = 5.0) -> None:
         try:
             if self._error is None:
-                self._queue.put((wire.encode_bye(self.my_rank),))
-                with self._lock:
-                    self._pending += 1
-                    self._idle.clear()
-                self._idle.wait(timeout)
+                self._pending.append(_views((wire.encode_bye(self.my_rank),)))
+                self.drain(timeout)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
         finally:
-            self._queue.put(_CLOSE)
-            self._thread.join(timeout)
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             self._sock.close()
+
+
+class SocketReceiver:
+    """Frames from the left neighbour, read in the calling thread by ``take`` (same contract as the
+    shared-memory receiver: the payload view stays valid until the next ``take``)."""
+
+    def __init__(self, sock: socket.socket, peer_rank: int, my_rank: int, describe, kind: str):
+        self._sock, self.peer_rank, self.my_rank, self.kind = sock, peer_rank, my_rank, kind
+        self._describe = describe
+        sock.setblocking(False)
+        self._head = bytearray(wire.HEADER.size)
+        self._payload = np.empty(1 << 16, np.uint8)  # grows to the largest frame, then reused
+        self._closed: Optional[BaseException] = None
+        self._phase, self._got, self._rest, self._nbytes = 0, 0, b"", 0  # a frame read in part
+
+    def _who(self) -> str:
+        return self._describe(self.peer_rank) if self._describe is not None else f"rank {self.peer_rank}"
+
+    def _fill(self, view: memoryview, deadline: float, abort, outbound) -> bool:
+        """Read until ``view`` is full, resuming at ``self._got`` (a frame read in part before a
+        deadline is continued by the next take); False at the deadline. Raises on EOF / abort."""
+        n = len(view)
+        while self._got < n:
+            try:
+                k = self._sock.recv_into(view[self._got:], n - self._got)
+            except (BlockingIOError, InterruptedError):
+                k = -1
+            except OSError as e:
+                raise self._broken(str(e), abort) from None
+            if k == 0:
+                raise self._broken("connection closed", abort)
+            if k > 0:
+                self._got += k
+                continue
+            busy = outbound.pump() if outbound is not None and hasattr(outbound, "pump") else False
+            problem = abort() if abort is not None else None
+            if problem is not None:
+                raise problem
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # an outbound with queued frames and no socket to poll (shared memory) is pumped every 0.5 ms
+            pollable = busy and hasattr(outbound, "wait_fd")
+            _poll_wait(self._sock, outbound if pollable else None,
+                       min(left, 0.0005 if busy and not pollable else SLICE_S))
+        self._got = 0
+        return True
+
+    def _broken(self, what: str, abort) -> BaseException:
+        return self._explain(_lost(self.my_rank, self.peer_rank, self._who(), what), abort)
+
+    def _explain(self, err: BaseException, abort) -> BaseException:
+        """The neighbour's connection ended: a neighbour that failed itself (or saw another rank fail)
+        reports why over gRPC before it goes; wait a moment for that report, so this rank raises the
+        real cause rather than blaming the neighbour."""
+        self._closed = err
+        end = time.monotonic() + wire.GONE_GRACE_S
+        while abort is not None and time.monotonic() < end:
+            problem = abort()
+            if problem is not None:
+                return problem
+            time.sleep(0.01)
+        return err
+
+    def take(self, key, deadline: float, sig: bytes, abort=None, outbound=None):
+        """The frame for ``key`` = (seq, step, chunk): (sig, payload uint8 view), or None at the deadline.
+
+        A frame of the same collective under another signature returns (its sig, None); a frame of
+        another collective or position returns a description of it as sig, with None (the caller
+        reports the mismatch). ``outbound``: this rank's stream to its right neighbour, written while
+        waiting.
+        """
+        if self._closed is not None:
+            raise self._closed
+        if self._phase == 0:  # the fixed header
+            if not self._fill(memoryview(self._head), deadline, abort, outbound):
+                return None
+            magic, version, _, step, _, frm, sig_len = wire.HEADER.unpack(self._head)
+            if magic != wire.MAGIC or version != wire.VERSION or frm != self.peer_rank:
+                raise self._bad(f"a malformed frame header (magic {magic!r}, version {version}, sender {frm})")
+            if step == wire.BYE_STEP:
+                raise self._explain(PeerLostError(
+                    f"rank {self.peer_rank} ({self._who()}) shut down its process group while rank "
+                    f"{self.my_rank} still expected data from it", rank=self.my_rank, peer_rank=self.peer_rank,
+                    fix="every rank must make the same collective calls; a rank left early"), abort)
+            self._rest = bytearray(sig_len + LENGTH.size)
+            self._phase = 1
+        if self._phase == 1:  # signature and payload length
+            if not self._fill(memoryview(self._rest), deadline, abort, outbound):
+                return None
+            (self._nbytes,) = LENGTH.unpack_from(self._rest, len(self._rest) - LENGTH.size)
+            if self._nbytes > MAX_FRAME_BYTES:
+                raise self._bad(f"a frame of {self._nbytes} bytes (limit {MAX_FRAME_BYTES})")
+            if self._nbytes > self._payload.nbytes:
+                self._payload = np.empty(max(self._nbytes, 2 * self._payload.nbytes), np.uint8)
+            self._phase = 2
+        view = self._payload[:self._nbytes]
+        if self._nbytes and not self._fill(memoryview(view), deadline, abort, outbound):
+            return None
+        self._phase = 0
+        _, _, seq, step, chunk, _, _ = wire.HEADER.unpack(self._head)
+        got_sig = bytes(self._rest[:len(self._rest) - LENGTH.size])
+        if (seq, step, chunk) != tuple(key):
+            if seq == key[0] and got_sig != sig:
+                return got_sig, None
+            text = f"frame for collective #{seq} step {step} chunk {chunk} [{got_sig.decode(errors='replace')}]"
+            return text.encode(), None
+        return got_sig, view
+
+    def _bad(self, what: str) -> BaseException:
+        self._closed = PeerLostError(
+            f"the {self.kind} data connection from rank {self.peer_rank} ({self._who()}) sent {what}; it is "
+            f"closed", rank=self.my_rank, peer_rank=self.peer_rank,
+            fix="both ranks must run the same tf_commstrategy version; report this as a bug otherwise")
+        return self._closed
+
+    def release(self) -> None:
+        """Nothing to give back: the payload buffer is reused by the next ``take``."""
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
 
 
 def parse_transport(name: Optional[str]) -> str:

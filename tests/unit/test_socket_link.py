@@ -1,0 +1,104 @@
+"""The inline raw-socket link (SocketSender / SocketReceiver) over a socket pair, in one thread."""
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from tf_commstrategy.backends.grpc import socket_transport as S
+from tf_commstrategy.errors import PeerLostError
+
+
+def _pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for s in (a, b):  # small kernel buffers: large frames must be queued and pumped
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    return a, b
+
+
+def _ends():
+    """Rank 0 and rank 1 each with a sender to the other and a receiver from the other."""
+    a01, b01 = _pair()  # 0 -> 1
+    a10, b10 = _pair()  # 1 -> 0
+    tx0, rx1 = S.SocketSender(a01, 1, 0, "rank 1"), S.SocketReceiver(b01, 0, 1, None, "unix")
+    tx1, rx0 = S.SocketSender(a10, 0, 1, "rank 0"), S.SocketReceiver(b10, 1, 0, None, "unix")
+    return (tx0, rx0), (tx1, rx1)
+
+
+def test_two_neighbours_exchange_frames_larger_than_the_socket_buffers_from_one_thread():
+    (tx0, rx0), (tx1, rx1) = _ends()
+    rng = np.random.default_rng(0)
+    big0 = rng.integers(0, 255, 3 << 20, dtype=np.uint8)
+    big1 = rng.integers(0, 255, 3 << 20, dtype=np.uint8)
+    # both send first (neither send can complete alone), then both receive: the waits pump the sends
+    tx0.send_frame(7, 0, 0, b"sig", big0)
+    tx1.send_frame(7, 0, 0, b"sig", big1)
+    assert tx0.wait_fd() is not None  # queued: the pair's buffers are far smaller than 3 MiB
+    # one thread plays both ranks: alternate short takes until both frames are in
+    got = {}
+    deadline = time.monotonic() + 10
+    while len(got) < 2 and time.monotonic() < deadline:
+        for name, rx, out in (("0", rx0, tx0), ("1", rx1, tx1)):
+            if name in got:
+                out.pump()
+                continue
+            item = rx.take((7, 0, 0), time.monotonic() + 0.01, b"sig", outbound=out)
+            if item is not None:
+                got[name] = bytes(item[1])
+    assert got["1"] == big0.tobytes() and got["0"] == big1.tobytes()
+    tx0.drain(5)
+    tx1.drain(5)
+    assert tx0.wait_fd() is None and tx1.wait_fd() is None
+
+
+def test_frames_come_in_order_with_their_signature_and_keys():
+    (tx0, _), (_, rx1) = _ends()
+    for i in range(50):
+        tx0.send_frame(i, 1, i % 3, f"sig{i}".encode(), np.full(1000 + i, i % 251, np.uint8))
+    tx0.drain(5)
+    for i in range(50):
+        sig, view = rx1.take((i, 1, i % 3), time.monotonic() + 5, f"sig{i}".encode())
+        assert sig == f"sig{i}".encode() and view.nbytes == 1000 + i and (view == i % 251).all()
+
+
+def test_another_key_or_signature_is_reported_not_returned_as_data():
+    (tx0, _), (_, rx1) = _ends()
+    tx0.send_frame(3, 0, 0, b"theirs", np.zeros(8, np.uint8))
+    tx0.send_frame(4, 0, 0, b"mine", np.zeros(8, np.uint8))
+    sig, view = rx1.take((3, 0, 0), time.monotonic() + 5, b"mine")
+    assert sig == b"theirs" and view is not None  # the expected key: the caller compares the signatures
+    sig, view = rx1.take((5, 0, 0), time.monotonic() + 5, b"mine")
+    assert view is None and b"collective #4" in sig
+
+
+def test_the_deadline_returns_none_and_bye_or_eof_raise_peer_lost():
+    (tx0, _), (_, rx1) = _ends()
+    t0 = time.monotonic()
+    assert rx1.take((0, 0, 0), time.monotonic() + 0.2, b"s") is None
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    tx0.close()  # sends BYE
+    with pytest.raises(PeerLostError, match="shut down its process group"):
+        rx1.take((0, 0, 0), time.monotonic() + 5, b"s")
+    (tx0, _), (_, rx1) = _ends()
+    tx0._sock.close()  # dies without BYE
+    with pytest.raises(PeerLostError, match="broke"):
+        rx1.take((0, 0, 0), time.monotonic() + 5, b"s")
+
+
+def test_an_abort_reported_elsewhere_wins_over_the_closed_connection():
+    (tx0, _), (_, rx1) = _ends()
+    tx0.close()
+    real = PeerLostError("rank 2 is gone", rank=1, peer_rank=2)
+    with pytest.raises(PeerLostError, match="rank 2 is gone"):
+        rx1.take((0, 0, 0), time.monotonic() + 5, b"s", abort=lambda: real)
+
+
+def test_oversized_frames_are_refused():
+    (tx0, _), (_, rx1) = _ends()
+    head = S.wire.HEADER.pack(S.wire.MAGIC, S.wire.VERSION, 0, 0, 0, 0, 1)
+    tx0._sock.setblocking(True)
+    tx0._sock.sendall(head + b"s" + S.LENGTH.pack(S.MAX_FRAME_BYTES + 1))
+    with pytest.raises(PeerLostError, match="limit"):
+        rx1.take((0, 0, 0), time.monotonic() + 5, b"s")
