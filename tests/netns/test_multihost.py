@@ -155,18 +155,20 @@ def test_fit_three_hosts_matches_single_process(make_hosts, tmp_path):
 
 # -- 1b: 2 hosts x 2 ranks, direct API: hierarchical all-reduce (host ring, leader ring) and the flat ring ----
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("placement,hierarchical", [([0, 0, 1, 1], "1"), ([0, 0, 1, 1], "0"),
-                                                    ([0, 1, 1, 0, 1], "1")])
-def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path, placement, hierarchical):
+@pytest.mark.parametrize("placement,hierarchical,transport", [([0, 0, 1, 1], "1", "auto"), ([0, 0, 1, 1], "0", "auto"),
+                                                              ([0, 1, 1, 0, 1], "1", "auto"),
+                                                              ([0, 1, 1, 0, 1], "1", "tcp")])
+def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path, placement, hierarchical, transport):
     hosts = make_hosts(2)
     out = str(tmp_path)
     # bind / advertise hosts left to their defaults: all interfaces / the address routing to the coordinator
     workers = start_job(hosts, placement, "collectives", out, explicit_hosts=False,
-                        extra_env={"TFCS_HIERARCHICAL": hierarchical})
+                        extra_env={"TFCS_HIERARCHICAL": hierarchical, "TFCS_TRANSPORT": transport})
     wait_all(workers, timeout=150)
     size = len(placement)
-    # rank -> its link to rank + 1: unix inside a host, grpc between hosts
-    expected_links = {r: "unix" if placement[r] == placement[(r + 1) % size] else "grpc" for r in range(size)}
+    # rank -> its link to rank + 1: unix inside a host, grpc between hosts; raw TCP everywhere when asked
+    expected_links = {r: "tcp" if transport == "tcp" else "unix" if placement[r] == placement[(r + 1) % size]
+                      else "grpc" for r in range(size)}
     groups = [[r for r in range(size) if placement[r] == h] for h in sorted(set(placement))]
     leaders = [g[0] for g in sorted(groups)]
     for w in workers:
