@@ -192,11 +192,19 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
                 flats.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
         op = ReduceOp.MEAN if mean else ReduceOp.SUM
 
-        def call(b, arrs):
-            return [b.allreduce(a, op, timeout) for a in arrs]
+        def call(b, arrs, outs=None):
+            if outs is not None and getattr(b, "supports_out", False):
+                for a, o in zip(arrs, outs):  # straight into the tensors the py_function returns
+                    b.allreduce(a, op, timeout, out=o)
+                return outs
+            reduced = [b.allreduce(a, op, timeout) for a in arrs]
+            if outs is not None:
+                for o, r in zip(outs, reduced):
+                    o[...] = r
+            return reduced
 
         reduced = tensor_ops.run_collective(call, backend, flats, [f.dtype for f in flats],
-                                            [f.shape for f in flats], name="tfcs_batch_allreduce")
+                                            [f.shape for f in flats], name="tfcs_batch_allreduce", into=True)
         out: List = [None] * len(tensors)
         for idxs, flat in zip(groups, reduced):
             with tf.device(tensors[idxs[0]].device):

@@ -84,16 +84,56 @@ def unwrap_errors():
         raise
 
 
+def host_view(t) -> np.ndarray:
+    """A read-only numpy view of a host tensor's memory, without a copy (``Tensor.numpy()`` copies).
+
+    TensorFlow's documented zero-copy route is ``np.asarray(memoryview(t))``; bfloat16, which the
+    buffer protocol cannot describe, goes through the tensor's own array view, marked read-only.
+    """
+    try:
+        return np.asarray(memoryview(t))
+    except (TypeError, ValueError, BufferError):
+        arr = np.asarray(t._numpy())  # pylint: disable=protected-access
+        view = arr.view()
+        view.flags.writeable = False
+        return view
+
+
+_outputs_share_memory: Optional[bool] = None
+
+
+def new_host_tensor(shape, dtype: tf.DType):
+    """An uninitialized host tensor and a writable numpy view of its memory, or None where TensorFlow
+    does not expose it (checked once per process): a collective then writes its result straight into
+    the tensor it returns, with no conversion copy afterwards."""
+    global _outputs_share_memory
+    t = tf.raw_ops.Empty(shape=shape, dtype=dtype, init=False)
+    view = t._numpy()  # pylint: disable=protected-access
+    if _outputs_share_memory is None:
+        probe = np.asarray(view)
+        _outputs_share_memory = (isinstance(view, np.ndarray) and view.flags.writeable and probe.size > 0
+                                 and dtype != tf.bfloat16
+                                 and np.asarray(memoryview(t)).ctypes.data == view.ctypes.data)
+    if not _outputs_share_memory or not isinstance(view, np.ndarray) or not view.flags.writeable:
+        return None
+    return t, view
+
+
 def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Sequence[tf.Tensor],
-              out_dtypes: Sequence[tf.DType], out_shapes: Sequence, name: str = "tfcs_collective"):
+              out_dtypes: Sequence[tf.DType], out_shapes: Sequence, name: str = "tfcs_collective",
+              into: bool = False):
     """Run ``fn`` on the tensors' numpy values, eagerly or as one stateful py_function on the host.
 
+    The inputs reach ``fn`` as read-only views of the tensors' memory (no copy).
+
     Args:
-      fn: ``fn(list of numpy arrays) -> list of numpy arrays``; runs the collectives.
+      fn: ``fn(list of numpy arrays) -> list of numpy arrays``; runs the collectives. With ``into``:
+        ``fn(inputs, outputs)`` writes output i (same shape and dtype as input i) into ``outputs[i]``.
       tensors: its inputs.
       out_dtypes: the dtypes of its outputs.
       out_shapes: the static shapes to set on the outputs (None dimensions allowed).
       name: the op's name in the graph.
+      into: outputs are shaped like the inputs and written in place into fresh tensors.
 
     Returns:
       A list of tensors, one per output.
@@ -104,13 +144,26 @@ def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Seque
         ``unwrap_errors``).
     """
     check_not_xla(name)
+
+    def run(ts):
+        ins = [host_view(t) for t in ts]
+        if into:
+            made = [new_host_tensor(t.shape, t.dtype) for t in ts]
+            if all(m is not None for m in made):
+                fn(ins, [m[1] for m in made])
+                return [m[0] for m in made]
+            outs = [np.empty(a.shape, a.dtype) for a in ins]
+            fn(ins, outs)
+            return outs
+        return [np.asarray(o) for o in fn(ins)]
+
     if tf.executing_eagerly():
-        outs = fn([t.numpy() for t in tensors])
-        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, out_dtypes)]
+        return [o if isinstance(o, tf.Tensor) else tf.convert_to_tensor(o, dtype=d)
+                for o, d in zip(run(list(tensors)), out_dtypes)]
 
     def body(*ts):
         try:
-            return [np.asarray(o) for o in fn([t.numpy() for t in ts])]
+            return run(ts)
         except TfcsError as e:
             errors_seen.record(e)
             raise
@@ -129,13 +182,19 @@ def _backend(name, arr=None):
 
 
 def run_collective(call: Callable, backend: Optional[str], tensors: Sequence[tf.Tensor],
-                   out_dtypes: Sequence[tf.DType], out_shapes: Sequence, name: str) -> List[tf.Tensor]:
+                   out_dtypes: Sequence[tf.DType], out_shapes: Sequence, name: str,
+                   into: bool = False) -> List[tf.Tensor]:
     """``call(backend_object, arrays) -> arrays`` on the host (numpy, grpc), or on the GPU (cupy,
-    nccl; see ``device_path``) when the call's backend is nccl on GPU tensors."""
+    nccl; see ``device_path``) when the call's backend is nccl on GPU tensors. With ``into`` (host
+    path; outputs shaped like the inputs) ``call(backend_object, arrays, outputs)`` writes the results
+    into ``outputs``, which become the returned tensors without a copy."""
     from .device_path import run_device, use_device_path
     if use_device_path(backend, tensors):
         nccl = default_group().backend("nccl")
         return run_device(lambda arrs: call(nccl, arrs), tensors, out_dtypes, out_shapes, name=name)
+    if into:
+        return run_numpy(lambda arrs, outs: call(_backend(backend, arrs[0]), arrs, outs), tensors, out_dtypes,
+                         out_shapes, name=name, into=True)
     return run_numpy(lambda arrs: call(_backend(backend, arrs[0]), arrs), tensors, out_dtypes, out_shapes, name=name)
 
 
