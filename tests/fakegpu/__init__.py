@@ -220,5 +220,25 @@ def install():
     cupy.moveaxis = lambda a, s, d: np.moveaxis(a, s, d).view(ndarray)
     cupy.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)
     cupy.from_dlpack = lambda x: _wrap(np.from_dlpack(x))
+    # what tests/gpu uses beyond the backend (its dry run on this fake: TFCS_GPU_DRYRUN=1)
+    cupy.__version__ = "fake"
+    cupy.arange = lambda *a, dtype=None: _wrap(np.arange(*a, dtype=dtype))
+    cupy.full = lambda shape, value, dtype=np.float32: np.full(shape, value, dtype).view(ndarray)
+    cupy.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    runtime.getDeviceProperties = lambda i: {"name": b"fake GPU (host memory)"}
+    cuda.Stream = _Stream
     sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.nccl": nccl})
     return cupy
+
+
+class _Stream:
+    """``cupy.cuda.Stream``: a context manager; the fake runs everything synchronously."""
+
+    def __init__(self, non_blocking=False):
+        self.ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

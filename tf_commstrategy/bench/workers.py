@@ -46,12 +46,20 @@ def _schedule(sizes, budget):
         yield nbytes, max(1, nbytes // DTYPE_BYTES), iterations(nbytes, budget)
 
 
+def _device_ones(n, value, local_rank):
+    """GPU buffers for the nccl backend: one GPU per rank of this host (local rank modulo the GPUs)."""
+    import cupy
+    cupy.cuda.Device(local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+    return cupy.full(n, value, dtype=cupy.float32)
+
+
 def run_tfcs(args, rank, size):
     import tf_commstrategy as tfcs
     tfcs.init(backend=args.backend)
+    on_gpu = args.backend == "nccl"
     results = {}
     for nbytes, n, iters in _schedule(args.sizes, args.budget):
-        x = np.ones(n, np.float32) * (rank + 1)
+        x = _device_ones(n, rank + 1, tfcs.local_rank()) if on_gpu else np.ones(n, np.float32) * (rank + 1)
         if args.op == "allreduce":
             call = lambda: tfcs.allreduce(x, op="sum")  # noqa: E731
         elif args.op == "broadcast":
@@ -61,11 +69,12 @@ def run_tfcs(args, rank, size):
             call = lambda: tfcs.allgather(xs)  # noqa: E731
         check = call()
         if args.op == "allreduce":
-            assert np.all(check == size * (size + 1) / 2), "wrong allreduce result"
+            host = check.get() if on_gpu else check  # the nccl backend returns once the GPU is done
+            assert np.all(host == size * (size + 1) / 2), "wrong allreduce result"
         results[nbytes] = timed(call, iters)
     tfcs.barrier()
     from tf_commstrategy.process import default_group
-    info = {"transport": default_group().backend("grpc").stats()["transport"]}
+    info = {"transport": "nccl" if on_gpu else default_group().backend("grpc").stats()["transport"]}
     tfcs.shutdown()
     return results, info
 

@@ -1,0 +1,133 @@
+"""The nccl backend on real GPUs with cupy arrays (no TensorFlow): every op x dtype against numpy with
+fresh random inputs, the data-movement collectives, grouped calls, stream ordering and the refusals.
+
+Workers run one per GPU (``conftest.gpu_world``); every rank computes every rank's input from the
+same seed, so the parent compares each result with a numpy reference of all inputs.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.gpu.conftest import gpu_world
+from tests.helpers import run_workers
+from tests.nccl_cases import BF16, _pairs, make_input, reference
+
+SEED = int(os.environ.get("TFCS_GPU_SEED", time.time_ns() % (1 << 31)))  # fresh inputs, printed on failure
+SHAPES = [(5, 3), (1000, 257)]
+
+
+def _setup(rank):
+    if os.environ.get("TFCS_GPU_DRYRUN") == "1":
+        from tests import fakegpu
+        fakegpu.install()
+    import cupy
+    cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
+    import tf_commstrategy as tfcs
+    tfcs.init()
+    return cupy, tfcs
+
+
+def _to_device(cupy, x):
+    from tf_commstrategy.backends.nccl import Bfloat16Array
+    if x.dtype == BF16:
+        return Bfloat16Array(cupy.asarray(x.view(np.uint16)))
+    return cupy.asarray(x)
+
+
+def _to_host(y):
+    if type(y).__name__ == "Bfloat16Array":
+        return y.data.get().view(BF16), "Bfloat16Array"
+    return y.get(), f"{type(y).__module__.split('.')[0]}.{type(y).__name__}"
+
+
+def w_every_op(rank, size, seed):
+    cupy, tfcs = _setup(rank)
+    out = {}
+    for shape in SHAPES:
+        for d, op in _pairs():
+            y = tfcs.allreduce(_to_device(cupy, make_input(rank, d, op, seed, shape)), op, backend="nccl")
+            out[(shape, d, op)] = _to_host(y)
+    return out, "tensorflow" in sys.modules
+
+
+def _check(got, ref, d, what):
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (what, got.dtype, got.shape)
+    if d in ("float16", "bfloat16"):
+        np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-2,
+                                   err_msg=what)
+    elif d in ("float32", "float64"):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=what)
+    else:
+        np.testing.assert_array_equal(got, ref, err_msg=what)
+
+
+@pytest.mark.timeout(300)
+def test_allreduce_every_dtype_and_op_matches_numpy():
+    size = gpu_world()
+    results = run_workers(w_every_op, size, SEED, timeout=280)
+    for shape in SHAPES:
+        for d, op in _pairs():
+            ref = reference([make_input(r, d, op, SEED, shape) for r in range(size)], op, d)
+            for rank, (out, _) in enumerate(results):
+                got, kind = out[(shape, d, op)]
+                assert kind == ("Bfloat16Array" if d == "bfloat16" else "cupy.ndarray"), (d, kind)
+                _check(got, ref, d, f"seed {SEED} {shape} {d} {op} rank {rank}")
+    assert not any(tf_loaded for _, tf_loaded in results), "the nccl path imported TensorFlow"
+
+
+def w_movement(rank, size, seed):
+    cupy, tfcs = _setup(rank)
+    rng = np.random.default_rng([seed, 99])
+    xs = [rng.standard_normal((4, 3)).astype(np.float32) for _ in range(size)]
+    r = {"bcast": tfcs.broadcast(cupy.asarray(xs[rank]), size - 1, backend="nccl").get()}
+    uneven = np.full((rank + 1, 2), rank, dtype=np.int32)
+    r["gather_uneven"] = tfcs.allgather(cupy.asarray(uneven), backend="nccl").get()
+    rs_in = np.arange(14, dtype=np.int64).reshape(7, 2) * (rank + 1)
+    r["rs_sum"] = tfcs.reduce_scatter(cupy.asarray(rs_in), "sum", backend="nccl").get()
+    grads = [cupy.asarray(np.full((3,), rank + 1.0, np.float32)), cupy.asarray(np.full((2, 2), rank, np.int32))]
+    r["grouped"] = [g.get() for g in tfcs.grouped_allreduce(grads, "sum", backend="nccl")]
+    tfcs.barrier(backend="nccl")
+    # stream ordering: the producer and the collective on a non-default stream, read right after
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        big = cupy.arange(1 << 22, dtype=cupy.float32) * (rank + 1)  # queued on s
+        total = tfcs.allreduce(big, backend="nccl")                   # after the producer, on s
+    r["stream_ok"] = bool((total[:5].get() == np.arange(5, dtype=np.float32) * sum(range(1, size + 1))).all())
+    r["dlpack"] = None  # a torch GPU tensor comes in through DLPack (torch is on GPU hosts)
+    if os.environ.get("TFCS_GPU_DRYRUN") != "1":
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None and torch.cuda.is_available():
+            t = torch.full((8,), float(rank + 1), device=f"cuda:{cupy.cuda.Device().id}")
+            r["dlpack"] = tfcs.allreduce(t, backend="nccl").get()
+    try:
+        tfcs.allreduce(np.ones(3, np.float32), backend="nccl")
+        r["cpu_refused"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the test wants the class and message
+        r["cpu_refused"] = f"{type(e).__name__}: {e}"
+    return r, xs
+
+
+@pytest.mark.timeout(300)
+def test_broadcast_allgather_reduce_scatter_grouped_barrier_streams_and_refusals():
+    size = gpu_world()
+    results = run_workers(w_movement, size, SEED, timeout=280)
+    xs = results[0][1]
+    rs_total = sum(np.arange(14, dtype=np.int64).reshape(7, 2) * (r + 1) for r in range(size))
+    for rank, (r, _) in enumerate(results):
+        np.testing.assert_array_equal(r["bcast"], xs[size - 1])
+        np.testing.assert_array_equal(r["gather_uneven"],
+                                      np.concatenate([np.full((q + 1, 2), q, np.int32) for q in range(size)]))
+        np.testing.assert_array_equal(r["rs_sum"], np.array_split(rs_total, size)[rank])
+        np.testing.assert_allclose(r["grouped"][0], np.full(3, sum(q + 1.0 for q in range(size))))
+        np.testing.assert_array_equal(r["grouped"][1], np.full((2, 2), sum(range(size)), np.int32))
+        assert r["stream_ok"]
+        if r["dlpack"] is not None:
+            np.testing.assert_array_equal(r["dlpack"], np.full(8, sum(range(1, size + 1)), np.float32))
+        assert r["cpu_refused"].startswith("UnsupportedOperationError"), r["cpu_refused"]
