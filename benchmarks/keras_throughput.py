@@ -196,9 +196,17 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
     p.add_argument("--modes", default=",".join(JOBS))
+    p.add_argument("--plot", help="write a PNG bar chart of the jobs here (needs matplotlib)")
+    p.add_argument("--from-json", help="summarize / plot an earlier --json file instead of running")
     a = p.parse_args()
     if a.worker:
         return worker(a.worker, a.steps, a.out)
+    if a.from_json:
+        saved = json.load(open(a.from_json))
+        print(summarize(saved["rounds"], saved["workers"], saved["steps"]))
+        if a.plot:
+            plot(saved["rounds"], saved["workers"], a.plot)
+        return
     modes = a.modes.split(",")
     rounds = []
     for i in range(a.rounds):
@@ -210,6 +218,30 @@ def main():
         with open(a.json, "w") as f:
             json.dump({"workers": a.workers, "steps": a.steps, "rounds": rounds, "machine": {
                 "cores": len(os.sched_getaffinity(0)), "date": time.strftime("%Y-%m-%d")}}, f, indent=1)
+    if a.plot:
+        plot(rounds, a.workers, a.plot)
+
+
+def plot(rounds, workers, path):
+    """Bars: each job's median samples/s over the rounds; dots: the rounds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    jobs = list(rounds[0])
+    med = [statistics.median(r[j]["samples_per_s"] for r in rounds) for j in jobs]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    colors = ["tab:green" if j.startswith("tfcs") else "tab:red" if j.startswith("mwms") else "tab:gray"
+              for j in jobs]
+    ax.bar(range(len(jobs)), med, color=colors, alpha=0.8)
+    for i, j in enumerate(jobs):
+        ax.plot([i] * len(rounds), [r[j]["samples_per_s"] for r in rounds], "k.", ms=5)
+        ax.text(i, med[i], f"{med[i]:,.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(jobs)))
+    ax.set_xticklabels(jobs, fontsize=8)
+    ax.set_ylabel("samples/s (global)")
+    ax.set_title(f"reference CNN, {workers} workers x {PER_WORKER_BATCH} samples, {len(rounds)} rounds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
