@@ -52,3 +52,18 @@ def reference(inputs, op, dtype):
     else:
         r = stack.max(0)
     return np.asarray(r).astype(dt)
+
+
+def to_device(cupy, x):
+    """A host array as the nccl backend's input: a cupy array, bfloat16 as ``Bfloat16Array``."""
+    from tf_commstrategy.backends.nccl import Bfloat16Array
+    if x.dtype == BF16:
+        return Bfloat16Array(cupy.asarray(x.view(np.uint16)))
+    return cupy.asarray(x)
+
+
+def to_host(y):
+    """(numpy copy of a result, its type as "module.Class") for the nccl backend's outputs."""
+    if type(y).__name__ == "Bfloat16Array":
+        return y.data.get().view(np.uint16).view(BF16), "Bfloat16Array"
+    return y.get(), f"{type(y).__module__.split('.')[0]}.{type(y).__name__}"

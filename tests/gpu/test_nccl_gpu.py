@@ -14,7 +14,7 @@ import pytest
 
 from tests.gpu.conftest import gpu_world
 from tests.helpers import run_workers
-from tests.nccl_cases import BF16, _pairs, make_input, reference
+from tests.nccl_cases import _pairs, make_input, reference, to_device, to_host
 
 SEED = int(os.environ.get("TFCS_GPU_SEED", time.time_ns() % (1 << 31)))  # fresh inputs, printed on failure
 SHAPES = [(5, 3), (1000, 257)]
@@ -31,26 +31,13 @@ def _setup(rank):
     return cupy, tfcs
 
 
-def _to_device(cupy, x):
-    from tf_commstrategy.backends.nccl import Bfloat16Array
-    if x.dtype == BF16:
-        return Bfloat16Array(cupy.asarray(x.view(np.uint16)))
-    return cupy.asarray(x)
-
-
-def _to_host(y):
-    if type(y).__name__ == "Bfloat16Array":
-        return y.data.get().view(BF16), "Bfloat16Array"
-    return y.get(), f"{type(y).__module__.split('.')[0]}.{type(y).__name__}"
-
-
 def w_every_op(rank, size, seed):
     cupy, tfcs = _setup(rank)
     out = {}
     for shape in SHAPES:
         for d, op in _pairs():
-            y = tfcs.allreduce(_to_device(cupy, make_input(rank, d, op, seed, shape)), op, backend="nccl")
-            out[(shape, d, op)] = _to_host(y)
+            y = tfcs.allreduce(to_device(cupy, make_input(rank, d, op, seed, shape)), op, backend="nccl")
+            out[(shape, d, op)] = to_host(y)
     return out, "tensorflow" in sys.modules
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import run_workers
-from tests.nccl_cases import BF16, SHAPE, _pairs, make_input, reference
+from tests.nccl_cases import SHAPE, _pairs, make_input, reference, to_device, to_host
 
 
 def _setup():
@@ -22,25 +22,12 @@ def _setup():
     return cupy, tfcs, fakegpu
 
 
-def _to_device(cupy, x):
-    from tf_commstrategy.backends.nccl import Bfloat16Array
-    if x.dtype == BF16:
-        return Bfloat16Array(cupy.asarray(x.view(np.uint16)))
-    return cupy.asarray(x)
-
-
-def _to_host(y):
-    if type(y).__name__ == "Bfloat16Array":
-        return np.asarray(y.data).view(np.uint16).view(BF16), "Bfloat16Array"
-    return np.asarray(y).view(np.ndarray).copy(), f"{type(y).__module__}.{type(y).__name__}"
-
-
 def w_every_op(rank, size):
     cupy, tfcs, fake = _setup()
     out = {}
     for d, op in _pairs():
-        y = tfcs.allreduce(_to_device(cupy, make_input(rank, d, op)), op, backend="nccl")
-        out[(d, op)] = _to_host(y)
+        y = tfcs.allreduce(to_device(cupy, make_input(rank, d, op)), op, backend="nccl")
+        out[(d, op)] = to_host(y)
     return out, dict(fake.log)
 
 
@@ -69,27 +56,27 @@ def w_movement(rank, size):
     cupy, tfcs, fake = _setup()
     r = {}
     x = np.arange(12, dtype=np.float32).reshape(4, 3) + 100 * rank
-    r["bcast"] = _to_host(tfcs.broadcast(cupy.asarray(x), 1, backend="nccl"))[0]
+    r["bcast"] = to_host(tfcs.broadcast(cupy.asarray(x), 1, backend="nccl"))[0]
     ys = tfcs.grouped_broadcast([cupy.asarray(x), cupy.asarray(np.full(5, rank, np.int64))], 1, backend="nccl")
-    r["gbcast"] = [_to_host(y)[0] for y in ys]
+    r["gbcast"] = [to_host(y)[0] for y in ys]
     uneven = np.full((rank + 1, 2), rank, dtype=np.int32)
-    r["gather_uneven"] = _to_host(tfcs.allgather(cupy.asarray(uneven), backend="nccl"))[0]
-    r["gather_even"] = _to_host(tfcs.allgather(cupy.asarray(x), backend="nccl"))[0]
-    r["gather_scalar"] = _to_host(tfcs.allgather(cupy.asarray(np.float64(rank)), backend="nccl"))[0]
+    r["gather_uneven"] = to_host(tfcs.allgather(cupy.asarray(uneven), backend="nccl"))[0]
+    r["gather_even"] = to_host(tfcs.allgather(cupy.asarray(x), backend="nccl"))[0]
+    r["gather_scalar"] = to_host(tfcs.allgather(cupy.asarray(np.float64(rank)), backend="nccl"))[0]
     rs_in = np.arange(14, dtype=np.int64).reshape(7, 2) * (rank + 1)
-    r["rs_sum"] = _to_host(tfcs.reduce_scatter(cupy.asarray(rs_in), "sum", backend="nccl"))[0]
-    r["rs_mean"] = _to_host(tfcs.reduce_scatter(cupy.asarray(rs_in), "mean", backend="nccl"))[0]
+    r["rs_sum"] = to_host(tfcs.reduce_scatter(cupy.asarray(rs_in), "sum", backend="nccl"))[0]
+    r["rs_mean"] = to_host(tfcs.reduce_scatter(cupy.asarray(rs_in), "mean", backend="nccl"))[0]
     even = np.arange(6 * size, dtype=np.float32).reshape(2 * size, 3) + rank
-    r["rs_even"] = _to_host(tfcs.reduce_scatter(cupy.asarray(even), "sum", backend="nccl"))[0]
+    r["rs_even"] = to_host(tfcs.reduce_scatter(cupy.asarray(even), "sum", backend="nccl"))[0]
     groups0 = fake.log["groups"]
     grads = [cupy.asarray(np.full((3,), rank + 1.0, np.float32)), cupy.asarray(np.full((2, 2), rank, np.int32)),
              cupy.asarray(np.full((4,), rank + 0.5, np.float64))]
-    r["grouped"] = [_to_host(y)[0] for y in tfcs.grouped_allreduce(grads, "mean", backend="nccl")]
+    r["grouped"] = [to_host(y)[0] for y in tfcs.grouped_allreduce(grads, "mean", backend="nccl")]
     r["grouped_groups"] = fake.log["groups"] - groups0
     tfcs.barrier(backend="nccl")
     # a GPU array meeting the grpc backend is staged through the host and comes back as a GPU array
     staged = tfcs.allreduce(cupy.asarray(np.full(3, rank, np.float32)), backend="grpc")
-    r["staged"] = _to_host(staged)
+    r["staged"] = to_host(staged)
     return r
 
 
