@@ -102,3 +102,28 @@ def test_oversized_frames_are_refused():
     tx0._sock.sendall(head + b"s" + S.LENGTH.pack(S.MAX_FRAME_BYTES + 1))
     with pytest.raises(PeerLostError, match="limit"):
         rx1.take((0, 0, 0), time.monotonic() + 5, b"s")
+
+
+def test_a_broken_outbound_waits_for_the_failure_another_rank_reports():
+    """A neighbour that saw another rank die reports it over gRPC, then closes its connections: the
+    rank whose send then fails must raise the reported cause, not blame that neighbour."""
+    import threading
+
+    from tf_commstrategy.backends.grpc import wire
+    from tf_commstrategy.backends.grpc.backend import GrpcRingBackend
+    b = object.__new__(GrpcRingBackend)  # only the mailbox is needed here
+    b.mailbox = wire.Mailbox()
+    (tx0, _), (_, rx1) = _ends()
+    rx1._sock.close()  # the neighbour (rank 1) went away
+    with pytest.raises(PeerLostError) as e:
+        tx0.send_frame(0, 0, 0, b"s", np.zeros(1 << 20, np.uint8))
+        tx0.drain(5)
+    assert getattr(e.value, "await_report", False) and e.value.peer_rank == 1
+    real = PeerLostError("rank 2 was lost (reported by rank 1)", rank=0, peer_rank=2)
+    threading.Timer(0.1, lambda: b.mailbox.fail(real, remote=True)).start()
+    assert b._reported_cause(e.value) is real
+    b2 = object.__new__(GrpcRingBackend)
+    b2.mailbox = wire.Mailbox()
+    t0 = time.monotonic()
+    assert b2._reported_cause(e.value) is e.value  # nobody reports: the neighbour is blamed
+    assert time.monotonic() - t0 >= wire.GONE_GRACE_S * 0.9

@@ -266,6 +266,11 @@ class GrpcRingBackend(Backend):
                 self.mailbox.forget(seq)
                 return result
             except TfcsError as e:
+                if getattr(e, "await_report", False):
+                    reported = self._reported_cause(e)
+                    if reported is not e:
+                        self._fail(reported, notify_peers=True)
+                        raise reported from None
                 self._fail(e, notify_peers=True)
                 raise
             except Exception as e:
@@ -274,6 +279,17 @@ class GrpcRingBackend(Backend):
                 raise err from e
             finally:
                 self._busy_s += time.monotonic() - t0
+
+    def _reported_cause(self, error: BaseException) -> BaseException:
+        """``error`` came from a neighbour's connection closing: wait up to ``wire.GONE_GRACE_S`` for
+        the failure another rank reports over gRPC (the real cause), else keep ``error``."""
+        end = time.monotonic() + wire.GONE_GRACE_S
+        while time.monotonic() < end:
+            reported = self.mailbox.error_now()
+            if reported is not None:
+                return reported
+            time.sleep(0.01)
+        return error
 
     def _fail(self, error: BaseException, notify_peers: bool) -> None:
         if self._failed is not None:

@@ -279,6 +279,9 @@ class SocketSender:
 
     def _fail(self, e: OSError) -> PeerLostError:
         self._error = _lost(self.my_rank, self.peer_rank, self._who, str(e), self.address)
+        # A neighbour that failed (or saw another rank fail) reports why over gRPC and then closes its
+        # connections: the collective waits a moment for that report before blaming the neighbour.
+        self._error.await_report = True
         self._pending.clear()
         return self._error
 
