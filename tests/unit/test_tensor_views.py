@@ -53,3 +53,10 @@ def test_run_numpy_into_fills_fresh_output_tensors_and_keeps_inputs_intact(in_fu
     np.testing.assert_array_equal(outs[0].numpy(), np.arange(5) * 2.0)
     np.testing.assert_array_equal(outs[1].numpy(), np.arange(3) * 2)
     np.testing.assert_array_equal(a.numpy(), np.arange(5))  # inputs unchanged
+
+
+def test_bfloat16_and_empty_outputs_do_not_turn_the_fast_path_off():
+    assert tensor_ops.new_host_tensor(tf.TensorShape([3]), tf.bfloat16) is None  # converted instead
+    t, v = tensor_ops.new_host_tensor(tf.TensorShape([0]), tf.float32)
+    assert t.shape == (0,) and v.size == 0
+    assert tensor_ops.new_host_tensor(tf.TensorShape([4]), tf.float32) is not None

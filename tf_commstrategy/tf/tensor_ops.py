@@ -104,19 +104,21 @@ _outputs_share_memory: Optional[bool] = None
 
 def new_host_tensor(shape, dtype: tf.DType):
     """An uninitialized host tensor and a writable numpy view of its memory, or None where TensorFlow
-    does not expose it (checked once per process): a collective then writes its result straight into
-    the tensor it returns, with no conversion copy afterwards."""
+    does not expose it (verified once per process, on the first non-empty tensor; bfloat16, which the
+    buffer protocol cannot describe, is never verified): a collective then writes its result straight
+    into the tensor it returns, with no conversion copy afterwards."""
     global _outputs_share_memory
+    if dtype == tf.bfloat16 or _outputs_share_memory is False:
+        return None
     t = tf.raw_ops.Empty(shape=shape, dtype=dtype, init=False)
     view = t._numpy()  # pylint: disable=protected-access
-    if _outputs_share_memory is None:
-        probe = np.asarray(view)
-        _outputs_share_memory = (isinstance(view, np.ndarray) and view.flags.writeable and probe.size > 0
-                                 and dtype != tf.bfloat16
-                                 and np.asarray(memoryview(t)).ctypes.data == view.ctypes.data)
-    if not _outputs_share_memory or not isinstance(view, np.ndarray) or not view.flags.writeable:
+    if not isinstance(view, np.ndarray) or not view.flags.writeable:
         return None
-    return t, view
+    if view.size == 0:
+        return t, view
+    if _outputs_share_memory is None:
+        _outputs_share_memory = np.asarray(memoryview(t)).ctypes.data == view.ctypes.data
+    return (t, view) if _outputs_share_memory else None
 
 
 def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Sequence[tf.Tensor],

@@ -449,7 +449,16 @@ class ShmReceiver(_RingEnd):
         def ready():
             return int(ctl[HEAD]) > self._tail or int(ctl[CLOSED]) != 0
 
-        if not self.waiter.until(ready, deadline, abort, getattr(outbound, "pump", None)):
+        pump = getattr(outbound, "pump", None)
+        if pump is not None and not hasattr(outbound, "wait_fd"):
+            # a shared-memory outbound: the neighbour rings our bell when it frees space, so the wait
+            # may sleep; only a socket outbound with queued frames needs the short polls
+            shm_pump = pump
+
+            def pump():
+                shm_pump()
+                return False
+        if not self.waiter.until(ready, deadline, abort, pump):
             return None
         while True:
             if int(ctl[HEAD]) <= self._tail:  # closed, nothing left
