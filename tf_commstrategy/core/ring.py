@@ -26,20 +26,28 @@ from ..errors import CollectiveMismatchError
 from .reduce_ops import ReduceOp, combine_into, combine_to, finish_mean, needs_wide_accumulator
 
 
-def chunk_ranges(lo: int, hi: int, chunk_elems: int) -> List[Tuple[int, int]]:
-    """[lo, hi) in pieces of at most chunk_elems; an empty range still yields one empty piece.
+def chunk_ranges(lo: int, hi: int, chunk_elems: int, cuts: Sequence[int] = ()) -> List[Tuple[int, int]]:
+    """[lo, hi) in pieces of at most chunk_elems, also cut at ``cuts``; an empty range still yields
+    one empty piece.
 
     Args:
       lo: first element.
       hi: one past the last element.
       chunk_elems: the largest piece, in elements.
+      cuts: offsets no piece may straddle (the array boundaries of a ``Spans`` buffer).
 
     Returns:
       ``(start, stop)`` pairs covering [lo, hi) in order.
     """
     if hi <= lo:
         return [(lo, lo)]
-    return [(a, min(a + chunk_elems, hi)) for a in range(lo, hi, chunk_elems)]
+    inner = [c for c in cuts if lo < c < hi]
+    if not inner:
+        return [(a, min(a + chunk_elems, hi)) for a in range(lo, hi, chunk_elems)]
+    out = []
+    for a0, b0 in zip([lo] + inner, inner + [hi]):
+        out += [(a, min(a + chunk_elems, b0)) for a in range(a0, b0, chunk_elems)]
+    return out
 
 
 def even_bounds(n: int, parts: int) -> List[int]:
@@ -171,6 +179,9 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
 
     In place (``flat`` holds the input), or with ``src`` out of place: ``src`` is read, never written,
     and ``flat`` (same size, any contents) receives the result; this saves copying the input first.
+    ``flat`` and ``src`` may be ``core.spans.Spans`` (several arrays read and written where they are,
+    e.g. a gradient list: chunks are then also cut at the arrays' boundaries) on the ring path
+    proper: more than one rank, not the all-gather path, no float32 accumulator.
 
     Buffers with ``nbytes * (size - 1) <= small_bytes`` take ``allreduce_by_allgather`` instead.
 
@@ -203,7 +214,8 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
     if small_bytes > 0 and flat.nbytes * (W - 1) <= small_bytes:
         return allreduce_by_allgather(link, flat, op, chunk_elems)
     bounds = even_bounds(flat.size, W)
-    chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems) for i in range(W)]
+    cuts = sorted(set(getattr(flat, "cuts", ())) | set(getattr(src, "cuts", ())))
+    chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems, cuts) for i in range(W)]
     if needs_wide_accumulator(flat.dtype, op):
         acc = flat.astype(np.float32)
         _reduce_scatter_steps(link, acc, op, chunks, then_send_final=False)
@@ -217,8 +229,8 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
         # Divide this rank's own segment before it is sent: once a chunk is handed to the link it may
         # still be leaving from this memory (zero-copy socket sends), so nothing sent is touched again.
         _reduce_scatter_steps(link, flat, op, chunks, then_send_final=False, src=src)
-        lo, hi = bounds[r], bounds[r + 1]
-        finish_mean(flat[lo:hi], W)
+        for a, b in chunks[r]:
+            finish_mean(flat[a:b], W)
         _allgather_steps(link, flat, chunks, step0=W - 1, send_first=True)
         return flat
     _reduce_scatter_steps(link, flat, op, chunks, then_send_final=True, src=src)
