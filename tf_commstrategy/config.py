@@ -24,6 +24,7 @@ DEFAULT_SHM_SMALL_BYTES = 64 << 10  # ... when every ring link is shared memory 
 DEFAULT_BACKEND = "auto"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # a silent ring neighbour is declared lost after this long (0: off)
 DEFAULT_TF_THREADS = "auto"         # TF pool sizes: cores // local workers when several share a host
+DEFAULT_SHM_FUSION_BYTES = 8 << 20  # each rank's shared all-reduce buffer when the whole job is on one host
 
 _SIZE_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
                 "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -166,6 +167,23 @@ def hierarchical_from_env(environ=None) -> bool:
     hosts with several ranks on some; 0 keeps the flat ring."""
     return env_value("TFCS_HIERARCHICAL", lambda s: s.strip().lower() not in ("0", "false", "no", "off"), True,
                      environ)
+
+
+def shm_fusion_bytes_from_env(environ=None) -> int:
+    """``TFCS_SHM_FUSION_BYTES``: size of each rank's shared-memory all-reduce buffer when every rank of
+    the job shares one host's memory (default 8 MiB; 0 turns the shared-buffer all-reduce off and keeps
+    the ring). Larger all-reduces go through it in pieces of this size.
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      Bytes (0: off).
+
+    Raises:
+      ConfigurationError: the value is invalid.
+    """
+    return env_value("TFCS_SHM_FUSION_BYTES", parse_size, DEFAULT_SHM_FUSION_BYTES, environ)
 
 
 def tf_threads_from_env(environ=None) -> str:

@@ -82,15 +82,27 @@ def matrix_worker(rank, size, seed):
     return report
 
 
-# Every data path under the ring: shared memory (the default on one host), unix sockets, gRPC, opt-in raw TCP.
-TRANSPORTS = [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (3, "unix"), (2, "grpc"), (3, "grpc"), (3, "tcp")]
+# Every data path: shared all-reduce buffers (the default when the job is on one host; whole and in
+# pieces of 4 KiB), the ring over shared memory, unix sockets, gRPC, opt-in raw TCP.
+NO_BUFFERS = "shm-ring"  # transport "auto" with the shared all-reduce buffers off (TFCS_SHM_FUSION_BYTES=0)
+SMALL_BUFFERS = "shm-4k"  # ... with 4 KiB buffers, so every large all-reduce goes in many pieces
+TRANSPORTS = [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (3, SMALL_BUFFERS), (3, NO_BUFFERS),
+              (3, "unix"), (2, "grpc"), (3, "grpc"), (3, "tcp")]
+
+
+def transport_env(transport):
+    if transport == NO_BUFFERS:
+        return {"TFCS_TRANSPORT": "auto", "TFCS_SHM_FUSION_BYTES": "0"}
+    if transport == SMALL_BUFFERS:
+        return {"TFCS_TRANSPORT": "auto", "TFCS_SHM_FUSION_BYTES": "4K"}
+    return {"TFCS_TRANSPORT": transport}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("size,transport", TRANSPORTS)
 def test_allreduce_matrix_matches_numpy(size, transport):
     seed = 1234 + size
-    results = run_workers(matrix_worker, size, seed, timeout=540, env={"TFCS_TRANSPORT": transport})
+    results = run_workers(matrix_worker, size, seed, timeout=540, env=transport_env(transport))
     for rank, report in enumerate(results):
         assert len(report) == (len(DTYPES) - 1) * len(OPS) * len(SIZES) + 2 * len(SIZES)
         for dname, op, n, err, got in report:
@@ -138,7 +150,7 @@ def movement_worker(rank, size, seed):
 @pytest.mark.parametrize("size,transport", TRANSPORTS)
 def test_broadcast_allgather_reduce_scatter_match_numpy(size, transport):
     seed = 99 + size
-    results = run_workers(movement_worker, size, seed, timeout=540, env={"TFCS_TRANSPORT": transport})
+    results = run_workers(movement_worker, size, seed, timeout=540, env=transport_env(transport))
     for rank, out in enumerate(results):
         for dname, n, root, b, g, rs in out:
             dtype = _dtype(dname)
@@ -201,9 +213,9 @@ def _out_worker(rank, size):
     return report, bad
 
 
-@pytest.mark.parametrize("transport", ["auto", "unix"])
+@pytest.mark.parametrize("transport", ["auto", NO_BUFFERS, "unix"])
 def test_allreduce_into_out_and_in_place(transport):
-    for report, bad in run_workers(_out_worker, 3, timeout=120, env={"TFCS_TRANSPORT": transport}):
+    for report, bad in run_workers(_out_worker, 3, timeout=120, env=transport_env(transport)):
         for n, op, is_out, input_kept, err in report:
             assert is_out and input_kept and err < 1e-12, (n, op, is_out, input_kept, err)
         assert "out= must be" in bad

@@ -15,7 +15,7 @@ from tf_commstrategy.backends.grpc import shm_transport as S
 pytestmark = pytest.mark.skipif(S.available() is not None, reason=f"no shared memory here: {S.available()}")
 
 
-def _small_shm(rank, size):
+def _small_shm(rank, size, only_kind=None):
     import errno
     import logging
     import tf_commstrategy as tfcs
@@ -28,28 +28,46 @@ def _small_shm(rank, size):
             warnings.append(record.getMessage())
     logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.WARNING))
     if rank == 1:  # as if this rank's /dev/shm were full (a container's 64 MiB default, say)
+        create = shm_transport.Segment.create
+
         def full(size, kind):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            if only_kind is None or kind == only_kind:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return create(size, kind)
         shm_transport.Segment.create = staticmethod(full)
     tfcs.init()
     got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
     b = default_group().backend("grpc")
-    return (b.transport, isinstance(b._ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(),
-            [w for w in warnings if "shared memory" in w])
+    return (b.transport, isinstance(b._ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(), warnings,
+            b.stats()["allreduce"])
 
 
 def test_too_small_dev_shm_falls_back_to_unix_sockets_with_one_warning():
     res = run_workers(_small_shm, 3, timeout=120)
     n = 300_000
-    for rank, (transport, shm_in, tail, warns) in enumerate(res):
+    for rank, (transport, shm_in, tail, warns, path) in enumerate(res):
         assert tail == [(n - 3) * 6.0, (n - 2) * 6.0, (n - 1) * 6.0]
+        assert path == "ring"  # no shared all-reduce buffers either
     # rank 1 cannot create segments: its inbound (0 -> 1) and outbound (1 -> 2) links use unix sockets
     assert res[0][0] == "unix" and res[1][0] == "unix" and not res[1][1]
     assert res[2][0] == "shm" and not res[2][1]  # 2 -> 0 stays shared memory; 1 -> 2 came in over unix
-    assert len(res[1][3]) == 1 and "No space left" in res[1][3][0], res[1][3]
+    assert len(res[1][3]) == 1 and "No space left" in res[1][3][0], res[1][3]  # one warning, where it happened
+
+
+def test_no_room_for_the_shared_all_reduce_buffers_keeps_the_shm_ring_with_one_warning():
+    res = run_workers(_small_shm, 3, "fuse", timeout=120)
+    n = 300_000
+    for rank, (transport, shm_in, tail, warns, path) in enumerate(res):
+        assert tail == [(n - 3) * 6.0, (n - 2) * 6.0, (n - 1) * 6.0]
+        assert path == "ring" and transport == "shm" and shm_in, (rank, transport, shm_in, path)
+        assert len(warns) == (1 if rank == 1 else 0), (rank, warns)
+    assert "shared all-reduce buffers unavailable" in res[1][3][0] and "No space left" in res[1][3][0]
 
 
 def _killed_mid_allreduce(rank, size, transport):
+    if transport == "shm-ring":  # the ring over shared memory, without the shared all-reduce buffers
+        os.environ["TFCS_SHM_FUSION_BYTES"] = "0"
+        transport = "shm"
     import tf_commstrategy as tfcs
     tfcs.init(transport=transport, timeout=60)
     x = np.ones(16 << 20, np.float32)  # 64 MiB: the kill lands inside an all-reduce
@@ -64,11 +82,12 @@ def _killed_mid_allreduce(rank, size, transport):
     return "no error", None, 0, os.getpid()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_kill9_mid_allreduce_on_shm_leaves_no_segment_and_matches_other_paths():
+    # 3 ranks on one host: "shm" all-reduces through the shared buffers, "shm-ring" through the ring
     before = set(os.listdir(S.SHM_DIR))
     outcome = {}
-    for transport in ("shm", "unix"):
+    for transport in ("shm", "shm-ring", "unix"):
         res = run_workers(_killed_mid_allreduce, 3, transport, timeout=150, expect_failure=True)
         assert res[2][0] == "missing"
         outcome[transport] = [(res[r][1][0], res[r][1][1]) for r in (0, 1)]
@@ -76,6 +95,6 @@ def test_kill9_mid_allreduce_on_shm_leaves_no_segment_and_matches_other_paths():
             name, peer, dt, _ = res[r][1]
             assert name == "PeerLostError" and peer == 2, (transport, res[r])
             assert dt < 15, (transport, dt)
-    assert outcome["shm"] == outcome["unix"]
+    assert outcome["shm"] == outcome["unix"] == outcome["shm-ring"]
     left = [f for f in set(os.listdir(S.SHM_DIR)) - before if f.startswith(S.PREFIX)]
     assert left == []

@@ -161,8 +161,9 @@ def main(argv=None):
             peers.remove("gloo")
     raw = {impl: run_impl(impl, args, sizes) for impl in ["tfcs"] + peers}
     results = {impl: summarize(r, args.op, args.np) for impl, r in raw.items() if r}
+    info = raw.get('tfcs', {}).get('info', {})
     print(f"\n{args.op}, {args.np} ranks, float32, backend {args.backend}, transport "
-          f"{raw.get('tfcs', {}).get('info', {}).get('transport', '?')}\n")
+          f"{info.get('transport', '?')}, all-reduce {info.get('allreduce', '?')}\n")
     print(table(results, sizes, args.op, args.np))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -74,7 +74,8 @@ def run_tfcs(args, rank, size):
         results[nbytes] = timed(call, iters)
     tfcs.barrier()
     from tf_commstrategy.process import default_group
-    info = {"transport": "nccl" if on_gpu else default_group().backend("grpc").stats()["transport"]}
+    stats = {} if on_gpu else default_group().backend("grpc").stats()
+    info = {"transport": "nccl" if on_gpu else stats["transport"], "allreduce": stats.get("allreduce", "nccl")}
     tfcs.shutdown()
     return results, info
 

@@ -91,6 +91,13 @@ class RingLinks:
             log.info("tf_commstrategy rank %d: hierarchy: %s link to rank %d: %s", backend.rank,
                      "host-ring" if ring_id == 1 else "leader-ring", self.right, outbound)
 
+    def shm_problem(self):
+        """Why this rank's shared-memory links fell back to sockets (already logged), or None."""
+        shm = self._shm
+        if shm is None or not shm.fell_back:
+            return None
+        return shm.fallback_reason or "a neighbour could not use shared memory"
+
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()

@@ -588,7 +588,8 @@ class ShmLinks:
         if bell is not None:
             bell.unlink()
         self.bell = my_bell
-        if (want_in and self.receiver is None) or (want_out and self.sender is None):
+        self.fell_back = (want_in and self.receiver is None) or (want_out and self.sender is None)
+        if self.fell_back:
             log.warning("tf_commstrategy rank %d: shared memory unavailable (%s); using Unix sockets instead",
                         rank, self.fallback_reason or "a neighbour could not use it")
 

@@ -1,0 +1,339 @@
+"""All-reduce through shared buffers when every rank of the job shares one host's memory (no ring).
+
+Each rank owns one *fusion segment* in ``/dev/shm``: a header page and a data area of ``capacity``
+bytes, mapped by every other rank of the job. An all-reduce moves through it in pieces of at most
+``capacity`` bytes; piece ``g`` (a generation number that every rank counts the same way) runs:
+
+1. wait until every peer's ``done`` >= g - 1 (it has finished reading my data area's last piece);
+2. copy my input (one array, or several read one after the other: a fused gradient list needs no
+   concatenation first) into my data area; write the piece's header (collective number, piece,
+   elements, signature); publish ``ready`` = g and wake the peers;
+3. wait until every peer's ``ready`` >= g and check its header against mine (else
+   ``CollectiveMismatchError``, with both signatures);
+4. reduce segment r of the piece (``even_bounds``: rank r owns the r-th of ``size`` near-equal
+   segments): my values combined with each peer's, in place in my data area (peers read only
+   their own segments of it); publish ``reduced`` = g;
+5. copy each segment q of the result from rank q's data area into my output (one array or
+   several), waiting for q's ``reduced`` >= g; publish ``done`` = g.
+
+The input is read once and the output written once: no frames, no staging copies, no ring steps.
+Each segment is reduced by one rank, so every rank gets bitwise the same result. float16 / bfloat16
+sums, means and products are accumulated in float32 and rounded once, as in the ring.
+
+Waits spin briefly when the host has a core per rank, then sleep on this rank's bell (a futex word
+in its segment that the peers bump and wake), in slices that check the abort state reported over
+gRPC, the processes of the ranks waited for and the deadline: a peer killed mid-collective gives
+``PeerLostError``, a missing one ``CollectiveTimeoutError``, never a hang.
+
+Header of a segment (byte offsets; the flags each on their own cache line)::
+
+    [0, 4)      bell: futex word the peers wake
+    [64, 72)    ready    [128, 136) reduced    [192, 200) done      (generations, uint64)
+    [256, 288)  piece header: collective seq, piece index, elements, signature length
+    [320, ...)  signature text (at most SIG_MAX bytes)
+    [1536, ...) the collective this rank has entered (any kind: sequence number + 1, signature), so a
+                rank waiting here and a rank waiting on the ring in another collective see the mismatch
+    [4096, ...) data area
+
+Security and lifecycle are the ring segments' (``shm_transport``): created with ``O_EXCL`` and mode
+0600 under an unguessable name exchanged over the authenticated store, unlinked as soon as every
+rank has mapped it, stale ones of killed jobs removed at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from ...core.reduce_ops import ReduceOp, combine_into, finish_mean, needs_wide_accumulator
+from ...core.ring import even_bounds
+from ...core.spans import Spans
+from ...errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
+from . import shm_transport, wire
+from .shm_transport import HEADER_BYTES, SLICE_S, YIELD_S, Bell, Segment, _fence, pid_alive
+
+log = logging.getLogger("tf_commstrategy")
+
+READY, REDUCED, DONE = 8, 16, 24      # uint64 indices of the flags (byte offsets 64, 128, 192)
+INFO = 32                             # uint64 index of the piece header (byte offset 256)
+SIG_AT, SIG_MAX = 320, 1024           # signature text: byte offset, most bytes kept
+ENTERED = 192                         # uint64 index (byte offset 1536): the collective this rank is in, + 1
+ENTERED_SIG = 200                     # uint64 index (byte offset 1600): its signature's length; text at 1664
+ENTERED_SIG_AT = 1664
+
+
+class FusionBuffers:
+    """This rank's fusion segment and its mappings of every peer's; runs the all-reduce pieces.
+
+    Built by ``create`` (a collective step of the backend's setup); ``None`` there means the ring is
+    used instead.
+    """
+
+    def __init__(self, rank: int, size: int, mine: Segment, peers: dict, capacity: int, pids: Sequence[int],
+                 describe: Callable[[int], str], spin_s: float):
+        self.rank, self.size, self.capacity = rank, size, capacity
+        self._segs = dict(peers)
+        self._segs[rank] = mine
+        self._ctl = {q: np.frombuffer(s.mm, dtype=np.uint64, count=HEADER_BYTES // 8) for q, s in self._segs.items()}
+        self._data = {q: s.u8[HEADER_BYTES:HEADER_BYTES + capacity] for q, s in self._segs.items()}
+        self._bells = {q: Bell(s) for q, s in self._segs.items()}
+        self._bell = self._bells[rank]
+        self._peers = [q for q in range(size) if q != rank]
+        self._pids = list(pids)
+        self._describe = describe
+        self.spin_s = spin_s
+        self.yield_s = YIELD_S if spin_s == 0 else 0.0
+        self.gen = 0
+
+    # -- setup -----------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, store, rank: int, size: int, pids: Sequence[int], describe, capacity: int, timeout: float,
+               spin_s: float, prefix: str = "shmfuse", known_problem: Optional[str] = None) -> Optional["FusionBuffers"]:
+        """Every rank of the job calls this at the same point of its setup. Returns the buffers, or
+        None (every rank alike) when any rank cannot create or map them. The rank where the problem
+        is logs one warning (none if ``known_problem``: its shared-memory links already warned about
+        it); the others log at INFO.
+        """
+        reason = "turned off (TFCS_SHM_FUSION_BYTES=0)" if capacity <= 0 else (known_problem or
+                                                                               shm_transport.available())
+        warned = known_problem is not None or capacity <= 0
+        seg = None
+        capacity = (max(capacity, 0) + 63) // 64 * 64
+        if reason is None:
+            try:
+                seg = Segment.create(HEADER_BYTES + capacity, "fuse")
+            except OSError as e:
+                reason = (f"cannot reserve {(HEADER_BYTES + capacity) >> 20} MiB in {shm_transport.SHM_DIR} "
+                          f"({e}; {shm_transport._free_mib()} MiB free)")
+        store.set(f"{prefix}/seg/{rank}", json.dumps({"path": seg.path if seg else None, "why": reason,
+                                                      "capacity": capacity}))
+        peers, caps = {}, [capacity]
+        for q in range(size):
+            if q == rank:
+                continue
+            theirs = json.loads(store.get(f"{prefix}/seg/{q}", timeout))
+            caps.append(int(theirs.get("capacity") or 0))
+            if reason is not None:
+                continue
+            if not theirs["path"]:
+                reason, warned = f"rank {q}: {theirs['why']}", True  # that rank warns
+                continue
+            try:
+                peers[q] = Segment.attach(theirs["path"])
+            except OSError as e:
+                reason = f"cannot map rank {q}'s buffer: {e}"
+        store.set(f"{prefix}/ok/{rank}", "1" if reason is None else "0")
+        everyone = all(store.get(f"{prefix}/ok/{q}", timeout) == "1" for q in range(size) if q != rank)
+        if seg is not None:
+            seg.unlink()  # every peer has mapped it (or given up): nothing stays in /dev/shm
+        if reason is None and not everyone:
+            reason, warned = "a peer could not create or map its buffer", True
+        if reason is not None:
+            for s in list(peers.values()) + ([seg] if seg is not None else []):
+                s.close()
+            (log.info if warned else log.warning)(
+                "tf_commstrategy rank %d: shared all-reduce buffers unavailable (%s); all-reduce uses the ring "
+                "instead", rank, reason)
+            return None
+        return cls(rank, size, seg, peers, min(caps), pids, describe, spin_s)
+
+    def close(self) -> None:
+        self._ctl, self._data, self._bells = {}, {}, {}
+        for s in self._segs.values():
+            s.close()
+        self._segs = {}
+
+    # -- which collective each rank is in --------------------------------------------------------
+    def enter(self, seq: int, sig: str) -> None:
+        """Publish the collective this rank has just entered (every kind, ring ones too)."""
+        sig_b = sig.encode()[:SIG_MAX]
+        ctl = self._ctl[self.rank]
+        ctl[ENTERED] = 0  # readers that catch the text half-written see 0 (or the new seq) and skip it
+        _fence()
+        self._segs[self.rank].mm[ENTERED_SIG_AT:ENTERED_SIG_AT + len(sig_b)] = sig_b
+        ctl[ENTERED_SIG] = len(sig_b)
+        _fence()
+        ctl[ENTERED] = seq + 1
+
+    def conflict(self, seq: int, sig: str) -> Optional[CollectiveMismatchError]:
+        """A peer in collective ``seq`` under another signature: the mismatch error, else None."""
+        sig_b = sig.encode()[:SIG_MAX]
+        for q in self._peers:
+            ctl = self._ctl.get(q)
+            if ctl is None or int(ctl[ENTERED]) != seq + 1:
+                continue
+            _fence()
+            n = int(ctl[ENTERED_SIG])
+            theirs = bytes(self._segs[q].mm[ENTERED_SIG_AT:ENTERED_SIG_AT + min(n, SIG_MAX)])
+            _fence()
+            if int(ctl[ENTERED]) == seq + 1 and theirs != sig_b:  # still that collective: the text is its
+                text = theirs.decode(errors="replace")
+                return CollectiveMismatchError(
+                    f"collective #{seq} mismatch: this rank called [{sig}] but rank {q} called [{text}]",
+                    rank=self.rank, seq=seq, local_signature=sig, remote_signature=text, remote_rank=q,
+                    fix="every rank must issue the same collectives in the same order with the same op, dtype, "
+                        "shape and root")
+        return None
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def _ring_peers(self) -> None:
+        for q in self._peers:
+            self._bells[q].ring()
+
+    def _lost(self, q: int) -> PeerLostError:
+        return PeerLostError(f"rank {q} ({self._describe(q)}) is gone: its process exited or was killed while "
+                             f"rank {self.rank} shared an all-reduce buffer with it", rank=self.rank, peer_rank=q,
+                             fix=f"look at rank {q}'s log; restart the job (tfcs-run --max-restarts)")
+
+    def _explain(self, error: BaseException, abort) -> BaseException:
+        """A peer that failed itself reports why (Abort, over gRPC) before it goes: wait a moment for it."""
+        end = time.monotonic() + wire.GONE_GRACE_S
+        while abort is not None:
+            problem = abort()
+            if problem is not None:
+                return problem
+            if time.monotonic() >= end:
+                break
+            time.sleep(0.01)
+        return error
+
+    def _wait(self, flag: int, at_least: int, ranks: Sequence[int], deadline: float, abort, on_timeout) -> None:
+        """Until ``ctl[q][flag] >= at_least`` for every q in ``ranks``."""
+        ctl = self._ctl
+        pending = [q for q in ranks if int(ctl[q][flag]) < at_least]
+        if not pending:
+            return
+        spin_end = time.monotonic() + self.spin_s
+        while True:
+            seen = self._bell.value()
+            pending = [q for q in pending if int(ctl[q][flag]) < at_least]
+            if not pending:
+                _fence()
+                return
+            now = time.monotonic()
+            if now < spin_end:
+                continue
+            if now < spin_end + self.yield_s:
+                os.sched_yield()
+                continue
+            problem = (abort() if abort is not None else None) or self._conflict_now()
+            if problem is not None:
+                raise problem
+            for q in pending:
+                if not pid_alive(self._pids[q]) and int(ctl[q][flag]) < at_least:
+                    raise self._explain(self._lost(q), abort)
+            if now >= deadline:
+                raise on_timeout(pending)
+            self._bell.wait(seen, min(SLICE_S, deadline - now))
+
+    # -- the all-reduce --------------------------------------------------------------------------
+    def allreduce(self, srcs: Sequence[np.ndarray], outs: Sequence[np.ndarray], op: ReduceOp, seq: int, sig: str,
+                  deadline: float, abort=None, on_timeout=None) -> None:
+        """Reduce the concatenation of ``srcs`` over every rank into the concatenation of ``outs``.
+
+        Args:
+          srcs: this rank's input arrays, one dtype, read only (``outs`` may be the same arrays).
+          outs: where the result goes, same dtype and total size.
+          op: the reduction.
+          seq: the collective's sequence number (checked against every peer's).
+          sig: the collective's signature (checked likewise).
+          deadline: ``time.monotonic()`` value after which a wait raises ``on_timeout(missing ranks)``.
+          abort: returns the error another rank reported, or None.
+          on_timeout: builds the timeout error from the ranks that did not arrive.
+
+        Raises:
+          CollectiveMismatchError: a peer runs another collective or shape.
+          PeerLostError: a peer's process is gone.
+          CollectiveTimeoutError: from ``on_timeout``, at the deadline.
+        """
+        self._current = (seq, sig)
+        src, dst = Spans(srcs), Spans(outs)
+        dtype = np.dtype(srcs[0].dtype) if srcs else np.dtype(np.uint8)
+        total = src.size
+        if on_timeout is None:
+            on_timeout = self._default_timeout(seq, sig)
+        per_piece = max(1, self.capacity // max(dtype.itemsize, 1))
+        wide = needs_wide_accumulator(dtype, op)
+        sig_b = sig.encode()[:SIG_MAX]
+        mine_ctl = self._ctl[self.rank]
+        W, r = self.size, self.rank
+        views = {q: d[:per_piece * dtype.itemsize].view(dtype) for q, d in self._data.items()}
+        piece = 0
+        lo = 0
+        while True:
+            hi = min(total, lo + per_piece)
+            n = hi - lo
+            g = self.gen + 1
+            # 1. the peers have read my previous piece
+            self._wait(DONE, g - 1, self._peers, deadline, abort, on_timeout)
+            mine = views[r][:n]
+            src.read_into(mine, lo, hi)
+            mine_ctl[INFO:INFO + 4] = (seq, piece, n, len(sig_b))
+            self._segs[r].mm[SIG_AT:SIG_AT + len(sig_b)] = sig_b
+            _fence()
+            mine_ctl[READY] = g
+            self._ring_peers()
+            # 2. everyone's piece is in place and is the same collective
+            self._wait(READY, g, self._peers, deadline, abort, on_timeout)
+            for q in self._peers:
+                self._check(q, seq, piece, n, sig_b, sig)
+            # 3. reduce my segment of the piece
+            b = even_bounds(n, W)
+            s0, s1 = b[r], b[r + 1]
+            if s1 > s0:
+                acc = views[r][s0:s1]
+                if wide:
+                    acc = acc.astype(np.float32)
+                for q in self._peers:
+                    other = views[q][s0:s1]
+                    combine_into(acc, other.astype(np.float32) if wide else other, op)
+                if op is ReduceOp.MEAN:
+                    finish_mean(acc, W)
+                if wide:
+                    views[r][s0:s1] = acc
+            _fence()
+            mine_ctl[REDUCED] = g
+            self._ring_peers()
+            # 4. gather every segment of the result, my own first
+            dst.write_from(views[r][s0:s1], lo + s0, lo + s1)
+            for k in range(1, W):
+                q = (r + k) % W
+                self._wait(REDUCED, g, (q,), deadline, abort, on_timeout)
+                dst.write_from(views[q][b[q]:b[q + 1]], lo + b[q], lo + b[q + 1])
+            mine_ctl[DONE] = g
+            self._ring_peers()
+            self.gen = g
+            piece += 1
+            lo = hi
+            if lo >= total:
+                return
+
+    def _conflict_now(self):
+        cur = getattr(self, "_current", None)
+        return self.conflict(*cur) if cur is not None else None
+
+    def _check(self, q: int, seq: int, piece: int, n: int, sig_b: bytes, sig: str) -> None:
+        theirs = tuple(int(x) for x in self._ctl[q][INFO:INFO + 4])
+        their_sig = bytes(self._segs[q].mm[SIG_AT:SIG_AT + theirs[3]])
+        if theirs[:3] == (seq, piece, n) and their_sig == sig_b:
+            return
+        text = their_sig.decode(errors="replace")
+        raise CollectiveMismatchError(
+            f"collective #{seq} mismatch in the shared-memory all-reduce: this rank called [{sig}] (piece {piece}, "
+            f"{n} elements) but rank {q} called #{theirs[0]} [{text}] (piece {theirs[1]}, {theirs[2]} elements)",
+            rank=self.rank, seq=seq, local_signature=sig, remote_signature=text, remote_rank=q,
+            fix="every rank must issue the same collectives in the same order with the same op, dtype and shape")
+
+    def _default_timeout(self, seq: int, sig: str):
+        def build(missing):
+            return CollectiveTimeoutError(
+                f"collective #{seq} [{sig}] timed out in the shared-memory all-reduce waiting for ranks {missing}",
+                rank=self.rank, seq=seq, waiting_for=list(missing),
+                fix="a rank is missing, stuck, or calling a different sequence of collectives; or raise the "
+                    "deadline (TFCS_TIMEOUT)")
+        return build
