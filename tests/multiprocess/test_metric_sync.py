@@ -1,4 +1,6 @@
-"""Global metrics under model.fit: every metric read of a step shares one fused collective."""
+"""Global metrics under model.fit: the metric reads of a train step ride on the gradients' all-reduce
+(one collective per step); with a compute_metrics of the user's own, they share one fused collective
+of their own (two per step). Logs equal one process's either way."""
 
 import numpy as np
 import pytest
@@ -9,16 +11,20 @@ from tests.multiprocess import tf_workloads as W
 STEPS = 4  # global batch 48 over 192 samples
 
 
-def _model(keras):
+def _model(keras, custom=False):
     keras.utils.set_random_seed(7)
-    m = keras.Sequential([keras.layers.Dense(16, activation="relu", input_shape=(12,)), keras.layers.Dense(4)])
+
+    class OwnMetrics(keras.Sequential):  # a user's compute_metrics: tf_keras's step order is kept
+        def compute_metrics(self, x, y, y_pred, sample_weight):
+            return super().compute_metrics(x, y, y_pred, sample_weight)
+    m = (OwnMetrics if custom else keras.Sequential)([keras.layers.Dense(16, activation="relu", input_shape=(12,)), keras.layers.Dense(4)])
     m.compile(optimizer=keras.optimizers.SGD(0.05),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")])
     return m
 
 
-def _fit(rank, size, distributed):
+def _fit(rank, size, distributed, custom=False):
     tf = W.setup_tf(1)
     import tf_keras as keras
     if distributed:
@@ -29,7 +35,7 @@ def _fit(rank, size, distributed):
     x, y = W.data("mlp")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(W.GLOBAL_BATCH)
     with strategy.scope():
-        m = _model(keras)
+        m = _model(keras, custom)
     out = {}
     if distributed:
         # collectives per train step, whatever fit does once per call (on a model that has only seen the
@@ -44,8 +50,15 @@ def _fit(rank, size, distributed):
             m.fit(ds.repeat(), epochs=1, steps_per_epoch=steps, verbose=0)
             counts.append(backend.stats()["seq"] - before)
         out["per_step"] = (counts[1] - counts[0]) / STEPS
+        # the train graph hands the gradients to the collective as they are: one py_function, no
+        # concat / split of the fused gradients around it
+        graphs = []
+        for f in m.train_tf_function._list_all_concrete_functions():  # pylint: disable=protected-access
+            ops = [op.type for op in f.graph.get_operations()]
+            graphs.append({k: ops.count(k) for k in ("EagerPyFunc", "ConcatV2", "SplitV", "Split")})
+        out["graphs"] = graphs
         with strategy.scope():
-            m = _model(keras)
+            m = _model(keras, custom)
     out.update(history=m.fit(ds, epochs=2, verbose=0).history, eval=m.evaluate(ds, verbose=0))
     return out
 
@@ -56,12 +69,15 @@ def reference():
 
 
 @pytest.mark.timeout(400)
-def test_metric_reads_share_one_collective_and_stay_global(reference):
-    res = run_workers(_fit, 2, True, timeout=300)
+@pytest.mark.parametrize("custom", [False, True])
+def test_metric_reads_share_one_collective_and_stay_global(reference, custom):
+    res = run_workers(_fit, 2, True, custom, timeout=300)
     for r in res:
-        # one fused gradient all-reduce and one fused read of the 6 metric variables (loss, accuracy
-        # and top2: total and count each), instead of one collective per variable
-        assert r["per_step"] == 2, r["per_step"]
+        # default train step: the 6 metric variables (loss, accuracy and top2: total and count each) ride
+        # on the fused gradient all-reduce; with the user's compute_metrics, one fused read of their own
+        assert r["per_step"] == (2 if custom else 1), r["per_step"]
+        want = {"EagerPyFunc": 2 if custom else 1, "ConcatV2": 0, "SplitV": 0, "Split": 0}
+        assert r["graphs"] and all(g == want for g in r["graphs"]), r["graphs"]  # every trace of it
         for key in ("loss", "accuracy", "top2"):
             np.testing.assert_allclose(r["history"][key], reference["history"][key], rtol=1e-5, atol=1e-6,
                                        err_msg=key)

@@ -3,9 +3,10 @@
 Data path of one ``batch_reduce`` (e.g. all gradients of a train step):
 
 1. local: each value's per-replica components are summed on the first local device (``tf.add_n``);
-2. across workers: in the graph, the local sums are concatenated into one flat tensor per dtype (cut
-   into ``bytes_per_pack`` buckets when asked); ONE stateful ``py_function`` runs one all-reduce per
-   flat buffer; the results are split and reshaped back in the graph (static shapes kept);
+2. across workers: ONE stateful ``py_function`` runs one all-reduce per dtype (cut into
+   ``bytes_per_pack`` buckets when asked); the backend reads the local sums where they are and
+   writes the results into the tensors the py_function returns (``allreduce_many``: no concat or
+   split; on the nccl path GPU tensors are concatenated per bucket in the graph and split after);
 3. MEAN: with one replica per worker the collective itself averages (each rank divides its own
    segment); with several, the sum is divided by the global replica count. Each result is copied
    to its destination devices.
@@ -25,9 +26,16 @@ from tensorflow.python.distribute import distribute_utils, reduce_util
 from tensorflow.python.distribute import values as value_lib
 from tensorflow.python.framework import indexed_slices
 
+from ..core import fusion
 from ..core.reduce_ops import ReduceOp
+from ..core.spans import Spans
 from . import options as opts
 from . import tensor_ops
+
+
+#: Host tensors reach the backend as they are (``allreduce_many``); False: concat / split in the graph
+#: as for GPU tensors (kept to measure one against the other in one process: benchmarks/fusion_ab.py).
+_HOST_IN_PLACE = True
 
 
 def _values(v) -> List:
@@ -178,33 +186,43 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
             return parts[0] if len(parts) == 1 else tf.add_n(parts)
 
     def _cross_worker_reduce(self, tensors, merged, backend, mean: bool) -> List[tf.Tensor]:
-        """All-reduce the tensors across workers in ONE py_function: in the graph, each fusion group
-        (``fusion_groups``: one dtype, at most ``bytes_per_pack`` bytes) is concatenated into a flat
-        tensor; the py_function runs one collective per flat buffer (SUM, or MEAN when ``mean``); the
-        results are split and reshaped back in the graph (static shapes kept)."""
+        """All-reduce the tensors across workers in ONE py_function, one collective per fusion group
+        (``fusion_groups``: one dtype, at most ``bytes_per_pack`` bytes), SUM, or MEAN when ``mean``.
+
+        Host tensors go in and come out as they are: the backend reads each group's tensors where they
+        are and writes the results straight into the tensors the py_function returns
+        (``allreduce_many``), so no concat / split runs in the graph. GPU tensors on the nccl path are
+        concatenated per group in the graph and split after (one device buffer per collective).
+        """
+        from .device_path import use_device_path
         timeout = merged.timeout_seconds
         groups = fusion_groups([t.dtype for t in tensors], [_static_nbytes(t) for t in tensors],
                                merged.bytes_per_pack)
+        op = ReduceOp.MEAN if mean else ReduceOp.SUM
+        if _HOST_IN_PLACE and not use_device_path(backend, tensors):
+            def call_many(b, arrs, outs):
+                many = getattr(b, "allreduce_many", None)
+                for idxs in groups:
+                    ins, res = [arrs[i] for i in idxs], [outs[i] for i in idxs]
+                    if many is not None:
+                        many(ins, op, timeout, outs=res)
+                    else:  # a backend without it: one flat buffer per group
+                        flat = fusion.flatten(arrs, idxs)
+                        Spans(res).write_from(b.allreduce(flat, op, timeout).reshape(-1), 0, flat.size)
+                return outs
+            return tensor_ops.run_collective(call_many, backend, tensors, [t.dtype for t in tensors],
+                                             [t.shape for t in tensors], name="tfcs_batch_allreduce", into=True)
         flats = []
         for idxs in groups:
             with tf.device(tensors[idxs[0]].device):
                 parts = [tf.reshape(tensors[i], [-1]) for i in idxs]
                 flats.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
-        op = ReduceOp.MEAN if mean else ReduceOp.SUM
 
-        def call(b, arrs, outs=None):
-            if outs is not None and getattr(b, "supports_out", False):
-                for a, o in zip(arrs, outs):  # straight into the tensors the py_function returns
-                    b.allreduce(a, op, timeout, out=o)
-                return outs
-            reduced = [b.allreduce(a, op, timeout) for a in arrs]
-            if outs is not None:
-                for o, r in zip(outs, reduced):
-                    o[...] = r
-            return reduced
+        def call(b, arrs):
+            return [b.allreduce(a, op, timeout) for a in arrs]
 
         reduced = tensor_ops.run_collective(call, backend, flats, [f.dtype for f in flats],
-                                            [f.shape for f in flats], name="tfcs_batch_allreduce", into=True)
+                                            [f.shape for f in flats], name="tfcs_batch_allreduce")
         out: List = [None] * len(tensors)
         for idxs, flat in zip(groups, reduced):
             with tf.device(tensors[idxs[0]].device):

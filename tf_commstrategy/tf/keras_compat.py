@@ -112,6 +112,32 @@ def install() -> None:
         get_metrics_result._tfcs_fused = True
         training.Model.get_metrics_result = get_metrics_result
 
+    # One collective per train step: the default train_step updates the metrics before the optimizer
+    # step (they only need the predictions) so that their cross-worker reads ride on the gradients'
+    # all-reduce (CommExtended.piggyback_reads). A model that overrides compute_metrics, or a
+    # train_step of the user's own, keeps tf_keras's order (and two collectives per step).
+    original_train_step = training.Model.train_step
+    if not getattr(original_train_step, "_tfcs_piggyback", False):
+        def train_step(self, data):
+            from .strategy import CommStrategy
+            strategy = self.distribute_strategy
+            if (not isinstance(strategy, CommStrategy) or not strategy.extended._in_multi_worker_mode()
+                    or type(self).compute_metrics is not training.Model.compute_metrics):
+                return original_train_step(self, data)
+            x, y, sample_weight = data_adapter.unpack_x_y_sample_weight(data)
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x, y, y_pred, sample_weight)
+            self._validate_target_and_loss(y, loss)
+            self.compiled_metrics.update_state(y, y_pred, sample_weight)
+            with strategy.extended.piggyback_reads([v for m in self.metrics for v in m.variables]):
+                self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+            return self.get_metrics_result()
+        train_step.__wrapped__ = original_train_step
+        train_step.__doc__ = original_train_step.__doc__
+        train_step._tfcs_piggyback = True
+        training.Model.train_step = train_step
+
     # Errors: a PeerLostError (etc.) inside the train step reaches Keras as tf.errors.UnknownError;
     # fit / evaluate / predict re-raise our typed error instead, chained from TF's.
     from .tensor_ops import unwrap_errors

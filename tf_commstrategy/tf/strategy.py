@@ -211,8 +211,11 @@ class CommExtended(mirrored_strategy.MirroredExtended):
                 if (isinstance(v, value_lib.SyncOnReadVariable) and v.aggregation in _FUSED_READ_AGGREGATIONS
                         and not self._replica_local_read_is_local(v)):
                     todo.setdefault(v.aggregation, []).append(v)
-        if sum(len(vs) for vs in todo.values()) < 2:
-            yield
+        if sum(len(vs) for vs in todo.values()) < 2 or self._all_cached(todo):
+            try:
+                yield  # (served by the piggyback on the gradients' all-reduce, when there was one)
+            finally:
+                self._read_cache = None
             return
 
         def prefetch(strategy, groups):
@@ -233,6 +236,36 @@ class CommExtended(mirrored_strategy.MirroredExtended):
             yield
         finally:
             self._read_cache = None
+
+    def _all_cached(self, todo) -> bool:
+        cache = getattr(self, "_read_cache", None)
+        if cache is None or cache[0] != _graph_key():
+            return False
+        return all(id(v) in cache[1] and cache[1][id(v)][0] is v for vs in todo.values() for v in vs)
+
+    @contextlib.contextmanager
+    def piggyback_reads(self, variables):
+        """Inside the block, the next SUM ``batch_reduce_to`` (the gradients' all-reduce, in tf_keras's
+        ``apply_gradients``) also reduces these SUM-aggregated replica-local variables (metric state),
+        and ``fused_sync_on_read`` then serves their reads from it: one collective per train step.
+
+        The variables must not change between that reduction and their reads (``keras_compat``
+        updates the metrics before the optimizer step, then reads them after). If no such reduction
+        happens in the block, the reads make their own fused one as before.
+
+        Args:
+          variables: candidate variables (others are ignored).
+        """
+        todo = [v for v in variables if isinstance(v, value_lib.SyncOnReadVariable)
+                and v.aggregation == tf.VariableAggregation.SUM and not self._replica_local_read_is_local(v)]
+        if self._num_workers <= 1 or not todo:
+            yield
+            return
+        self._piggyback = (_graph_key(), todo)
+        try:
+            yield
+        finally:
+            self._piggyback = None
 
     def _cached_read(self, reduce_op, value):
         cache = getattr(self, "_read_cache", None)
@@ -284,7 +317,15 @@ class CommExtended(mirrored_strategy.MirroredExtended):
             if not isinstance(v, value_lib.DistributedValues):
                 v = cdo._make_tensor_into_per_replica(v)  # pylint: disable=protected-access
             pairs.append((v, d if d is not None else v))
-        return self._cross_device_ops.batch_reduce_implementation(reduce_op, pairs, options)
+        ride = getattr(self, "_piggyback", None)
+        if ride is None or ride[0] != _graph_key() or reduce_op != reduce_util.ReduceOp.SUM:
+            return self._cross_device_ops.batch_reduce_implementation(reduce_op, pairs, options)
+        self._piggyback = None  # metric state rides on this reduction (see piggyback_reads)
+        extra = ride[1]
+        results = self._cross_device_ops.batch_reduce_implementation(reduce_op, pairs + [(v, v) for v in extra],
+                                                                     options)
+        self._read_cache = (ride[0], {id(v): (v, reduce_op, r) for v, r in zip(extra, results[len(pairs):])})
+        return results[:len(pairs)]
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         if not isinstance(value, value_lib.DistributedValues):

@@ -1,0 +1,69 @@
+"""A/B of the gradient hand-over in ONE job: in-place (``allreduce_many``) vs concat/split in the graph.
+
+    tfcs-run -np 2 python benchmarks/fusion_ab.py [--rounds 5] [--steps 100]
+
+Two copies of the reference CNN are built in the same workers, one traced with each hand-over; their
+fit() calls alternate, so both see the same machine state (this 2-core VM's speed drifts by 20-50%
+between runs, far more than the difference measured). Prints each variant's median step time per round.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=64, help="samples per worker per step")
+    a = p.parse_args()
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras as keras
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.tf import cross_device_ops
+    strategy = tfcs.CommStrategy()
+    n, rank = tfcs.size(), tfcs.rank()
+    rng = np.random.default_rng(rank)
+    x = rng.random((a.batch * n * 8, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, a.batch * n * 8)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(a.batch * n).repeat()  # a.batch per worker
+    models = {}
+    order = ("in-place", "concat-split") if os.environ.get("AB_REVERSE") == "1" else ("concat-split", "in-place")
+    for variant in order:
+        cross_device_ops._HOST_IN_PLACE = variant == "in-place"
+        with strategy.scope():
+            L = keras.layers
+            m = keras.Sequential([L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(),
+                                  L.Flatten(), L.Dense(128, activation="relu"), L.Dense(10)])
+            m.compile(optimizer="adam", metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.fit(ds, epochs=1, steps_per_epoch=20, verbose=0)  # traces with this variant
+        models[variant] = m
+    times = {v: [] for v in models}
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.marks.append(time.perf_counter())
+
+    for r in range(a.rounds):
+        for v, m in models.items():
+            c = Clock()
+            c.marks = []
+            m.fit(ds, epochs=1, steps_per_epoch=a.steps + 10, verbose=0, callbacks=[c])
+            steps = [b - a_ for a_, b in zip(c.marks[10:], c.marks[11:])]
+            times[v].append(1e3 * statistics.median(steps))
+        if rank == 0:
+            print(f"round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in times), flush=True)
+    if rank == 0:
+        base, new = times["concat-split"], times["in-place"]
+        print("in-place / concat-split per round: " + ", ".join(f"{b / a_:.3f}" for a_, b in zip(base, new)))
+
+
+if __name__ == "__main__":
+    main()
