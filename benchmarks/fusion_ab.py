@@ -1,8 +1,10 @@
-"""A/B of the gradient hand-over in ONE job: in-place (``allreduce_many``) vs concat/split in the graph.
+"""A/B of the per-step communication in ONE job: gradients handed over in place (``allreduce_many``) vs
+concatenated and split in the graph, and metric state riding on the gradient all-reduce vs its own
+collective (a model with its own ``compute_metrics`` keeps tf_keras's step order: 2 collectives).
 
     tfcs-run -np 2 python benchmarks/fusion_ab.py [--rounds 5] [--steps 100]
 
-Two copies of the reference CNN are built in the same workers, one traced with each hand-over; their
+Three copies of the reference CNN are built in the same workers, each traced with one variant; their
 fit() calls alternate, so both see the same machine state (this 2-core VM's speed drifts by 20-50%
 between runs, far more than the difference measured). Prints each variant's median step time per round.
 """
@@ -34,12 +36,18 @@ def main():
     y = rng.integers(0, 10, a.batch * n * 8)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(a.batch * n).repeat()  # a.batch per worker
     models = {}
-    order = ("in-place", "concat-split") if os.environ.get("AB_REVERSE") == "1" else ("concat-split", "in-place")
+    class OwnMetrics(keras.Sequential):  # tf_keras's order: the metrics get their own collective
+        def compute_metrics(self, x, y, y_pred, sample_weight):
+            return super().compute_metrics(x, y, y_pred, sample_weight)
+
+    order = ["concat-split", "in-place", "in-place, metrics apart"]
+    if os.environ.get("AB_REVERSE") == "1":
+        order.reverse()
     for variant in order:
-        cross_device_ops._HOST_IN_PLACE = variant == "in-place"
+        cross_device_ops._HOST_IN_PLACE = variant != "concat-split"
         with strategy.scope():
             L = keras.layers
-            m = keras.Sequential([L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(),
+            m = (OwnMetrics if variant.endswith("apart") else keras.Sequential)([L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(),
                                   L.Flatten(), L.Dense(128, activation="relu"), L.Dense(10)])
             m.compile(optimizer="adam", metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -61,8 +69,9 @@ def main():
         if rank == 0:
             print(f"round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in times), flush=True)
     if rank == 0:
-        base, new = times["concat-split"], times["in-place"]
-        print("in-place / concat-split per round: " + ", ".join(f"{b / a_:.3f}" for a_, b in zip(base, new)))
+        for a_name, b_name in (("concat-split", "in-place"), ("in-place, metrics apart", "in-place")):
+            print(f"{b_name} / {a_name} per round: " + ", ".join(
+                f"{b / a_:.3f}" for a_, b in zip(times[a_name], times[b_name])))
 
 
 if __name__ == "__main__":
