@@ -46,7 +46,7 @@ import json
 import logging
 import os
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -54,8 +54,8 @@ from ...core.reduce_ops import ReduceOp, combine_into, finish_mean, needs_wide_a
 from ...core.ring import even_bounds
 from ...core.spans import Spans
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
-from . import shm_transport, wire
-from .shm_transport import HEADER_BYTES, SLICE_S, YIELD_S, Bell, Segment, _fence, pid_alive
+from . import shm_transport
+from .shm_transport import HEADER_BYTES, SLICE_S, YIELD_S, Bell, Segment, _fence, pid_alive, reported_cause
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -190,18 +190,6 @@ class FusionBuffers:
                              f"rank {self.rank} shared an all-reduce buffer with it", rank=self.rank, peer_rank=q,
                              fix=f"look at rank {q}'s log; restart the job (tfcs-run --max-restarts)")
 
-    def _explain(self, error: BaseException, abort) -> BaseException:
-        """A peer that failed itself reports why (Abort, over gRPC) before it goes: wait a moment for it."""
-        end = time.monotonic() + wire.GONE_GRACE_S
-        while abort is not None:
-            problem = abort()
-            if problem is not None:
-                return problem
-            if time.monotonic() >= end:
-                break
-            time.sleep(0.01)
-        return error
-
     def _wait(self, flag: int, at_least: int, ranks: Sequence[int], deadline: float, abort, on_timeout) -> None:
         """Until ``ctl[q][flag] >= at_least`` for every q in ``ranks``."""
         ctl = self._ctl
@@ -226,7 +214,7 @@ class FusionBuffers:
                 raise problem
             for q in pending:
                 if not pid_alive(self._pids[q]) and int(ctl[q][flag]) < at_least:
-                    raise self._explain(self._lost(q), abort)
+                    raise reported_cause(self._lost(q), abort)
             if now >= deadline:
                 raise on_timeout(pending)
             self._bell.wait(seen, min(SLICE_S, deadline - now))

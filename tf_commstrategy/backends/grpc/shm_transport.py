@@ -266,6 +266,21 @@ def _fence() -> None:
             futex().wake(ctypes.addressof(_fence_word))  # the syscall orders memory as well
 
 
+def reported_cause(error: BaseException, abort) -> BaseException:
+    """A neighbour that failed itself reports why (Abort, over gRPC) before it goes: wait a moment
+    (``wire.GONE_GRACE_S``) for that report from ``abort()``, so this rank raises the real cause rather
+    than blaming the neighbour; else ``error``."""
+    end = time.monotonic() + wire.GONE_GRACE_S
+    while abort is not None:
+        problem = abort()
+        if problem is not None:
+            return problem
+        if time.monotonic() >= end:
+            break
+        time.sleep(0.01)
+    return error
+
+
 class _Waiter:
     """The shared wait loop of both ends: spin, then sleep on my bell, checking aborts and the peer."""
 
@@ -284,17 +299,7 @@ class _Waiter:
                              fix=f"look at rank {self.peer_rank}'s log; restart the job (tfcs-run --max-restarts)")
 
     def explain(self, error: BaseException, abort) -> BaseException:
-        """A neighbour that failed itself reports why (Abort, over gRPC) before it goes: wait a moment
-        for that report, so this rank raises the real cause rather than blaming the neighbour."""
-        end = time.monotonic() + wire.GONE_GRACE_S
-        while abort is not None:
-            problem = abort()
-            if problem is not None:
-                return problem
-            if time.monotonic() >= end:
-                break
-            time.sleep(0.01)
-        return error
+        return reported_cause(error, abort)
 
     def until(self, ready: Callable[[], bool], deadline: float, abort, pump=None) -> bool:
         """Wait until ``ready()``; False at the deadline. Raises what ``abort()`` returns, or PeerLostError."""
