@@ -79,4 +79,6 @@ class Spans:
             at += n
 
     def shares_memory(self, other: "Spans") -> bool:
-        return any(np.shares_memory(a, b) for a in self.arrays for b in other.arrays)
+        """Any of these arrays overlaps any of ``other``'s (exact for contiguous arrays, whose memory is
+        one range: only the bounds are compared, ``np.shares_memory`` would solve for every pair)."""
+        return any(np.may_share_memory(a, b) for a in self.arrays for b in other.arrays)

@@ -13,6 +13,8 @@ fit/evaluate/predict surfaces as itself (chained from TF's ``UnknownError``).
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 _installed = False
@@ -40,6 +42,18 @@ def agree_on_steps(local_steps):
     return None if (every < 0).any() else int(every.max())
 
 
+def _wrap_once(owner, name: str, build) -> None:
+    """Replace ``owner.name`` by ``build(original)``, once: a wrapper already in place (a second
+    ``install``) is left alone. The wrapper keeps the original's name and docstring, and the original
+    stays reachable as its ``__wrapped__``."""
+    original = getattr(owner, name)
+    if getattr(original, "_tfcs_wrapper", False):
+        return
+    wrapper = functools.wraps(original, updated=())(build(original))
+    wrapper._tfcs_wrapper = True
+    setattr(owner, name, wrapper)
+
+
 def install() -> None:
     """Teach tf_keras about ``CommStrategy`` (idempotent; ``CommStrategy()`` calls it).
 
@@ -52,78 +66,70 @@ def install() -> None:
         from tf_keras.src.engine import training
     except ImportError:  # tf_keras not installed: nothing to teach
         return
-    original = training.reduce_per_replica
+    def reduce_per_replica(original):
+        def wrapper(values, strategy, reduction):
+            from .strategy import CommStrategy
+            if (reduction == "concat" and isinstance(strategy, CommStrategy)
+                    and strategy.extended._in_multi_worker_mode()):
+                return tf.nest.map_structure(lambda v: training._multi_worker_concat(v, strategy), values)
+            return original(values, strategy, reduction)
+        return wrapper
+    _wrap_once(training, "reduce_per_replica", reduce_per_replica)
 
-    def reduce_per_replica(values, strategy, reduction):
-        from .strategy import CommStrategy
-        if (reduction == "concat" and isinstance(strategy, CommStrategy)
-                and strategy.extended._in_multi_worker_mode()):
-            return tf.nest.map_structure(lambda v: training._multi_worker_concat(v, strategy), values)
-        return original(values, strategy, reduction)
-
-    reduce_per_replica.__wrapped__ = original
-    training.reduce_per_replica = reduce_per_replica
-
-    original_verbosity = training._get_verbosity
-
-    def _get_verbosity(verbose, distribute_strategy):
-        # verbose="auto" (tf_keras's default) under CommStrategy: the progress bar on rank 0 only.
-        from .strategy import CommStrategy
-        if verbose == "auto" and isinstance(distribute_strategy, CommStrategy) and \
-                distribute_strategy.extended._id_in_cluster != 0:
-            return 0
-        return original_verbosity(verbose, distribute_strategy)
-
-    _get_verbosity.__wrapped__ = original_verbosity
-    training._get_verbosity = _get_verbosity
+    def get_verbosity(original):
+        def wrapper(verbose, distribute_strategy):
+            # verbose="auto" (tf_keras's default) under CommStrategy: the progress bar on rank 0 only.
+            from .strategy import CommStrategy
+            if verbose == "auto" and isinstance(distribute_strategy, CommStrategy) and \
+                    distribute_strategy.extended._id_in_cluster != 0:
+                return 0
+            return original(verbose, distribute_strategy)
+        return wrapper
+    _wrap_once(training, "_get_verbosity", get_verbosity)
 
     # Uneven data: workers whose datasets have different numbers of batches must still run the same
     # number of steps (every step issues collectives). They agree on the largest count; a worker that
     # runs out earlier gets empty batches from tf.distribute's partial-batch handling (the global
     # "has data" count is all-reduced at every step), so the epoch ends at the same step everywhere.
     from tf_keras.src.engine import data_adapter
-    original_infer = data_adapter.DataHandler._infer_steps
-    if not getattr(original_infer, "_tfcs_agrees", False):
-        def _infer_steps(self, steps, dataset):
-            inferred = original_infer(self, steps, dataset)
+
+    def infer_steps(original):
+        def wrapper(self, steps, dataset):
+            inferred = original(self, steps, dataset)
             strategy = tf.distribute.get_strategy()
             from .strategy import CommStrategy
             if steps is not None or not isinstance(strategy, CommStrategy) or \
                     not strategy.extended._in_multi_worker_mode():
                 return inferred
             return agree_on_steps(inferred)
-        _infer_steps.__wrapped__ = original_infer
-        _infer_steps._tfcs_agrees = True
-        data_adapter.DataHandler._infer_steps = _infer_steps
+        return wrapper
+    _wrap_once(data_adapter.DataHandler, "_infer_steps", infer_steps)
 
     # Metrics: tf_keras reads every metric (each Mean: total and count) at every step, one reduction
     # per variable. Under CommStrategy the reads of one get_metrics_result share ONE fused collective.
-    original_results = training.Model.get_metrics_result
-    if not getattr(original_results, "_tfcs_fused", False):
-        def get_metrics_result(self):
+    def get_metrics_result(original):
+        def wrapper(self):
             from .strategy import CommStrategy
             strategy = self.distribute_strategy
             if not isinstance(strategy, CommStrategy):
-                return original_results(self)
+                return original(self)
             variables = [v for m in self.metrics for v in m.variables]
             with strategy.extended.fused_sync_on_read(variables):
-                return original_results(self)
-        get_metrics_result.__wrapped__ = original_results
-        get_metrics_result._tfcs_fused = True
-        training.Model.get_metrics_result = get_metrics_result
+                return original(self)
+        return wrapper
+    _wrap_once(training.Model, "get_metrics_result", get_metrics_result)
 
     # One collective per train step: the default train_step updates the metrics before the optimizer
     # step (they only need the predictions) so that their cross-worker reads ride on the gradients'
     # all-reduce (CommExtended.piggyback_reads). A model that overrides compute_metrics, or a
     # train_step of the user's own, keeps tf_keras's order (and two collectives per step).
-    original_train_step = training.Model.train_step
-    if not getattr(original_train_step, "_tfcs_piggyback", False):
-        def train_step(self, data):
+    def train_step(original):
+        def wrapper(self, data):
             from .strategy import CommStrategy
             strategy = self.distribute_strategy
             if (not isinstance(strategy, CommStrategy) or not strategy.extended._in_multi_worker_mode()
                     or type(self).compute_metrics is not training.Model.compute_metrics):
-                return original_train_step(self, data)
+                return original(self, data)
             x, y, sample_weight = data_adapter.unpack_x_y_sample_weight(data)
             with tf.GradientTape() as tape:
                 y_pred = self(x, training=True)
@@ -133,27 +139,18 @@ def install() -> None:
             with strategy.extended.piggyback_reads([v for m in self.metrics for v in m.variables]):
                 self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
             return self.get_metrics_result()
-        train_step.__wrapped__ = original_train_step
-        train_step.__doc__ = original_train_step.__doc__
-        train_step._tfcs_piggyback = True
-        training.Model.train_step = train_step
+        return wrapper
+    _wrap_once(training.Model, "train_step", train_step)
 
     # Errors: a PeerLostError (etc.) inside the train step reaches Keras as tf.errors.UnknownError;
     # fit / evaluate / predict re-raise our typed error instead, chained from TF's.
     from .tensor_ops import unwrap_errors
-    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch"):
-        original_method = getattr(training.Model, name)
-        if getattr(original_method, "_tfcs_unwraps", False):
-            continue
 
-        def make(method):
-            def wrapper(self, *args, **kwargs):
-                with unwrap_errors():
-                    return method(self, *args, **kwargs)
-            wrapper.__wrapped__ = method
-            wrapper.__name__, wrapper.__doc__, wrapper.__qualname__ = method.__name__, method.__doc__, \
-                method.__qualname__
-            wrapper._tfcs_unwraps = True
-            return wrapper
-        setattr(training.Model, name, make(original_method))
+    def unwrapping(original):
+        def wrapper(self, *args, **kwargs):
+            with unwrap_errors():
+                return original(self, *args, **kwargs)
+        return wrapper
+    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch"):
+        _wrap_once(training.Model, name, unwrapping)
     _installed = True

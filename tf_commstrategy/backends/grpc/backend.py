@@ -459,7 +459,7 @@ class GrpcRingBackend(Backend):
             # cut at their boundaries); the small ones (biases, scalars) travel packed in one array, so
             # that they do not each cost a frame per ring step.
             small = [i for i, b in enumerate(bufs) if b.nbytes < PACK_BELOW_BYTES]
-            large = [i for i in range(len(bufs)) if i not in set(small)]
+            large = [i for i, b in enumerate(bufs) if b.nbytes >= PACK_BELOW_BYTES]
             pack = [b.reshape(-1) for b in (bufs[i] for i in small)]
             pack = [np.concatenate(pack)] if len(pack) > 1 else [p.copy() for p in pack]
             ring.allreduce(link, Spans([outs[i] for i in large] + pack), op, ce, 0,
