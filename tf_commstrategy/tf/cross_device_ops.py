@@ -3,10 +3,11 @@
 Data path of one ``batch_reduce`` (e.g. all gradients of a train step):
 
 1. local: each value's per-replica components are summed on the first local device (``tf.add_n``);
-2. across workers: ONE stateful ``py_function`` runs one all-reduce per dtype (cut into
-   ``bytes_per_pack`` buckets when asked); the backend reads the local sums where they are and
-   writes the results into the tensors the py_function returns (``allreduce_many``: no concat or
-   split; on the nccl path GPU tensors are concatenated per bucket in the graph and split after);
+2. across workers: in the graph, the local sums are concatenated into one flat tensor per dtype (cut
+   into ``bytes_per_pack`` buckets when asked); ONE stateful ``py_function`` runs one all-reduce per
+   flat buffer, written straight into the tensors it returns; the results are split and reshaped
+   back in the graph (static shapes kept). (``_HOST_IN_PLACE`` hands host tensors over unconcatenated
+   instead, ``allreduce_many``; measured slower, so off);
 3. MEAN: with one replica per worker the collective itself averages (each rank divides its own
    segment); with several, the sum is divided by the global replica count. Each result is copied
    to its destination devices.
@@ -33,9 +34,12 @@ from . import options as opts
 from . import tensor_ops
 
 
-#: Host tensors reach the backend as they are (``allreduce_many``); False: concat / split in the graph
-#: as for GPU tensors (kept to measure one against the other in one process: benchmarks/fusion_ab.py).
-_HOST_IN_PLACE = True
+#: True: host tensors reach the backend as they are (``allreduce_many``: no concat / split in the graph).
+#: Off: measured in one job (benchmarks/fusion_ab.py, reference CNN, 2 workers) it made the step 5-14 %
+#: slower than concat / split in the graph with the result written into the output tensors (TF's concat
+#: and split are cheaper than a py_function with one input and one output per gradient plus the ring's
+#: extra chunk at each tensor boundary); 3 workers: 0-4 % slower.
+_HOST_IN_PLACE = False
 
 
 def _values(v) -> List:
@@ -189,10 +193,10 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         """All-reduce the tensors across workers in ONE py_function, one collective per fusion group
         (``fusion_groups``: one dtype, at most ``bytes_per_pack`` bytes), SUM, or MEAN when ``mean``.
 
-        Host tensors go in and come out as they are: the backend reads each group's tensors where they
-        are and writes the results straight into the tensors the py_function returns
-        (``allreduce_many``), so no concat / split runs in the graph. GPU tensors on the nccl path are
-        concatenated per group in the graph and split after (one device buffer per collective).
+        Each group is concatenated into a flat tensor in the graph, the py_function writes each result
+        straight into the tensor it returns, and the results are split and reshaped back in the graph.
+        With ``_HOST_IN_PLACE`` host tensors go in and come out as they are instead (the backend's
+        ``allreduce_many`` reads and writes them where they are); measured slower, so off.
         """
         from .device_path import use_device_path
         timeout = merged.timeout_seconds
@@ -218,11 +222,19 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
                 parts = [tf.reshape(tensors[i], [-1]) for i in idxs]
                 flats.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
 
-        def call(b, arrs):
-            return [b.allreduce(a, op, timeout) for a in arrs]
+        def call(b, arrs, outs=None):
+            if outs is not None and getattr(b, "supports_out", False):
+                for a, o in zip(arrs, outs):  # straight into the tensors the py_function returns
+                    b.allreduce(a, op, timeout, out=o)
+                return outs
+            reduced = [b.allreduce(a, op, timeout) for a in arrs]
+            if outs is not None:
+                for o, r in zip(outs, reduced):
+                    o[...] = r
+            return reduced
 
         reduced = tensor_ops.run_collective(call, backend, flats, [f.dtype for f in flats],
-                                            [f.shape for f in flats], name="tfcs_batch_allreduce")
+                                            [f.shape for f in flats], name="tfcs_batch_allreduce", into=True)
         out: List = [None] * len(tensors)
         for idxs, flat in zip(groups, reduced):
             with tf.device(tensors[idxs[0]].device):
