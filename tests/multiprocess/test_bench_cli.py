@@ -35,6 +35,23 @@ def test_bench_tfcs_only(tmp_path, op):
         assert row["median_s"] > 0 and row["iters"] >= 5
         assert row["algbw_GBps"] == pytest.approx(int(nbytes) / row["median_s"] / 1e9)
     assert "| 64 KiB |" in stdout
+    assert "calls back to back" in stdout and data["gap_ms"] == 0.0
+
+
+def test_bench_gap_between_calls(tmp_path):
+    stdout, data = _bench(tmp_path, "--gap-ms", "3")
+    assert data["gap_ms"] == 3.0
+    assert "calls 3 ms apart (ranks busy in between)" in stdout
+    rows = data["results"]["tfcs"]
+    assert set(rows) == {"8", "65536"}
+    # only the calls are timed: an 8-byte all-reduce on loopback stays far below the 3 ms gap
+    assert rows["8"]["median_s"] < 3e-3, rows
+
+
+def test_bench_rejects_a_negative_gap(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tf_commstrategy.bench.cli", "--gap-ms", "-1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--gap-ms must be 0 or more, got -1.0" in r.stderr
 
 
 @pytest.mark.slow

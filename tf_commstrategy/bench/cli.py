@@ -3,11 +3,16 @@
     tfcs-bench -np 2 --op allreduce --sizes 8,4K,256K,4M,64M,256M --compare tf-ring,gloo \\
                --json results.json --plot allreduce.png
 
-For each size: the median time of many back-to-back calls after warm-up, the algorithm bandwidth
+For each size: the median time of many calls after warm-up, the algorithm bandwidth
 (bytes / time) and the bus bandwidth (nccl-tests convention: allreduce busbw = algbw * 2(n-1)/n,
 allgather (n-1)/n, broadcast 1). Each peer runs as its own job of N fresh processes in the same
 invocation, on the same sizes; the table reports tfcs's time divided by the peer's (below 1: tfcs
 is faster).
+
+The calls run back to back by default: the buffers stay in the caches and every rank is already
+waiting when its peers send. ``--gap-ms G`` keeps every rank busy for G ms before each call (only
+the call is timed), as a training step computes between its all-reduces: the buffers have left the
+caches by then, which is what a collective costs inside ``model.fit``.
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ def run_impl(impl: str, args, sizes: List[int]) -> Dict:
         if args.transport:
             os.environ["TFCS_TRANSPORT"] = args.transport
         cmd = [sys.executable, "-m", "tf_commstrategy.bench.workers", "--impl", impl, "--op", args.op,
-               "--sizes", ",".join(map(str, sizes)), "--budget", str(args.budget), "--out", out]
+               "--sizes", ",".join(map(str, sizes)), "--budget", str(args.budget), "--gap-ms", str(args.gap_ms),
+               "--out", out]
         if impl == "tfcs" and args.backend:
             cmd += ["--backend", args.backend]
         print(f"tfcs-bench: running {impl} ({args.np} workers)...", file=sys.stderr, flush=True)
@@ -145,9 +151,14 @@ def main(argv=None):
                    help="data path under the ring (TFCS_TRANSPORT; default auto: unix on one host)")
     p.add_argument("--compare", default="", help="comma-separated peers: tf-ring, gloo")
     p.add_argument("--budget", type=float, default=1.5, help="approximate seconds spent per size and impl")
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="keep every rank busy this long before each timed call, as a training step's compute "
+                        "does (default 0: back-to-back calls)")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--plot", help="write a PNG plot here")
     args = p.parse_args(argv)
+    if args.gap_ms < 0:
+        p.error(f"--gap-ms must be 0 or more, got {args.gap_ms}")
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     peers = [c for c in args.compare.split(",") if c]
     for c in peers:
@@ -163,12 +174,13 @@ def main(argv=None):
     results = {impl: summarize(r, args.op, args.np) for impl, r in raw.items() if r}
     info = raw.get('tfcs', {}).get('info', {})
     print(f"\n{args.op}, {args.np} ranks, float32, backend {args.backend}, transport "
-          f"{info.get('transport', '?')}, all-reduce {info.get('allreduce', '?')}\n")
+          f"{info.get('transport', '?')}, all-reduce {info.get('allreduce', '?')}, calls "
+          f"{f'{args.gap_ms:g} ms apart (ranks busy in between)' if args.gap_ms else 'back to back'}\n")
     print(table(results, sizes, args.op, args.np))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"op": args.op, "np": args.np, "backend": args.backend, "sizes": sizes,
+            json.dump({"op": args.op, "np": args.np, "backend": args.backend, "sizes": sizes, "gap_ms": args.gap_ms,
                        "results": {k: {str(s): v for s, v in r.items()} for k, r in results.items()}}, f, indent=1)
     if args.plot and results:
         plot(results, sizes, args.op, args.np, args.plot)

@@ -3,7 +3,9 @@
     python -m tf_commstrategy.bench.workers --impl tfcs|tf-ring|gloo --op allreduce --sizes ... --out F
 
 Every implementation runs the same schedule: for each size, warm-up calls, then ``iters`` timed
-back-to-back calls; rank 0 writes the per-call times (seconds) to ``--out`` as JSON. The peers:
+calls, back to back or ``--gap-ms`` apart (each rank busy in between, as a training step computes
+between its all-reduces; only the calls are timed); rank 0 writes the per-call times (seconds) to
+``--out`` as JSON. The peers:
 
 * ``tf-ring``: TensorFlow's MultiWorkerMirroredStrategy with
   ``CommunicationOptions(implementation=RING)``, the all-reduce inside ``strategy.run`` (a
@@ -14,6 +16,7 @@ back-to-back calls; rank 0 writes the per-call times (seconds) to ``--out`` as J
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -21,29 +24,43 @@ import time
 import numpy as np
 
 DTYPE_BYTES = 4  # float32 everywhere
+_SCRATCH = bytes(16 << 10)  # what busy() hashes
 
 
-def iterations(nbytes: int, budget_s: float) -> int:
+def iterations(nbytes: int, budget_s: float, gap_s: float = 0.0) -> int:
     """Same count on every rank and implementation: more calls for small sizes, at least 5."""
-    est = 2e-4 + nbytes / 5e8  # a rough guess of one call's time, only to size the loop
+    est = 2e-4 + nbytes / 5e8 + gap_s  # a rough guess of one call's time, only to size the loop
     return int(max(5, min(2000, budget_s / est)))
 
 
-def timed(call, iters: int, warmup: int = 3):
-    """Per-call wall times (seconds) of ``iters`` back-to-back calls after ``warmup`` untimed ones."""
+def busy(seconds: float) -> None:
+    """Keep this rank's CPU busy for ``seconds`` as a training step's kernels do: native work with the
+    GIL released (hashing a 16 KiB buffer that stays in the L1 cache), never touching the collective's
+    buffers. (Sleeping instead lets the CPU idle; a pure-Python spin holds the GIL, which starves the
+    control plane's threads until the call, as TensorFlow's compute does not.)"""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        hashlib.sha256(_SCRATCH).digest()
+
+
+def timed(call, iters: int, warmup: int = 3, gap_s: float = 0.0):
+    """Per-call wall times (seconds) of ``iters`` calls after ``warmup`` untimed ones: back to back,
+    or with ``busy(gap_s)`` before each (not timed)."""
     for _ in range(warmup):
         call()
     times = []
     for _ in range(iters):
+        if gap_s > 0:
+            busy(gap_s)
         t0 = time.perf_counter()
         call()
         times.append(time.perf_counter() - t0)
     return times
 
 
-def _schedule(sizes, budget):
+def _schedule(sizes, budget, gap_s=0.0):
     for nbytes in sizes:
-        yield nbytes, max(1, nbytes // DTYPE_BYTES), iterations(nbytes, budget)
+        yield nbytes, max(1, nbytes // DTYPE_BYTES), iterations(nbytes, budget, gap_s)
 
 
 def _device_ones(n, value, local_rank):
@@ -58,7 +75,7 @@ def run_tfcs(args, rank, size):
     tfcs.init(backend=args.backend)
     on_gpu = args.backend == "nccl"
     results = {}
-    for nbytes, n, iters in _schedule(args.sizes, args.budget):
+    for nbytes, n, iters in _schedule(args.sizes, args.budget, args.gap_s):
         x = _device_ones(n, rank + 1, tfcs.local_rank()) if on_gpu else np.ones(n, np.float32) * (rank + 1)
         if args.op == "allreduce":
             call = lambda: tfcs.allreduce(x, op="sum")  # noqa: E731
@@ -71,7 +88,7 @@ def run_tfcs(args, rank, size):
         if args.op == "allreduce":
             host = check.get() if on_gpu else check  # the nccl backend returns once the GPU is done
             assert np.all(host == size * (size + 1) / 2), "wrong allreduce result"
-        results[nbytes] = timed(call, iters)
+        results[nbytes] = timed(call, iters, gap_s=args.gap_s)
     tfcs.barrier()
     from tf_commstrategy.process import default_group
     stats = {} if on_gpu else default_group().backend("grpc").stats()
@@ -90,7 +107,7 @@ def run_tf_ring(args, rank, size):
         implementation=tf.distribute.experimental.CommunicationImplementation.RING)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=opts)
     results = {}
-    for nbytes, n, iters in _schedule(args.sizes, args.budget):
+    for nbytes, n, iters in _schedule(args.sizes, args.budget, args.gap_s):
         with strategy.scope():
             v = tf.Variable(tf.ones([n], tf.float32) * (rank + 1))
         if args.op == "allreduce":
@@ -112,7 +129,8 @@ def run_tf_ring(args, rank, size):
             # MWMS gives every worker rank 0's initial value, so the sum is size * that value
             first = float(strategy.experimental_local_results(v)[0].numpy()[0])
             assert np.all(strategy.experimental_local_results(out)[0].numpy() == size * first)
-        results[nbytes] = timed(lambda: strategy.experimental_local_results(step())[0].numpy(), iters)
+        results[nbytes] = timed(lambda: strategy.experimental_local_results(step())[0].numpy(), iters,
+                                gap_s=args.gap_s)
     return results, {}
 
 
@@ -123,7 +141,7 @@ def run_gloo(args, rank, size):
     port = os.environ["TFCS_BENCH_PORTS"].split(",")[0]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     results = {}
-    for nbytes, n, iters in _schedule(args.sizes, args.budget):
+    for nbytes, n, iters in _schedule(args.sizes, args.budget, args.gap_s):
         x = torch.ones(n, dtype=torch.float32) * (rank + 1)
         if args.op == "allreduce":
             def call():
@@ -144,7 +162,7 @@ def run_gloo(args, rank, size):
                 return outs
         if args.op == "allreduce":
             assert bool((call() == size * (size + 1) / 2).all())
-        results[nbytes] = timed(call, iters)
+        results[nbytes] = timed(call, iters, gap_s=args.gap_s)
     dist.barrier()
     dist.destroy_process_group()
     return results, {"torch": torch.__version__}
@@ -159,15 +177,17 @@ def main():
     p.add_argument("--op", default="allreduce")
     p.add_argument("--sizes", required=True, help="comma-separated byte counts")
     p.add_argument("--budget", type=float, default=1.0, help="approximate seconds per size")
+    p.add_argument("--gap-ms", type=float, default=0.0, help="busy time before each timed call")
     p.add_argument("--backend", default=None)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    args.gap_s = args.gap_ms / 1e3
     args.sizes = [int(s) for s in args.sizes.split(",")]
     rank, size = int(os.environ["TFCS_RANK"]), int(os.environ["TFCS_WORLD_SIZE"])
     results, info = IMPLS[args.impl](args, rank, size)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"impl": args.impl, "op": args.op, "world_size": size, "info": info,
+            json.dump({"impl": args.impl, "op": args.op, "world_size": size, "info": info, "gap_ms": args.gap_ms,
                        "times": {str(k): v for k, v in results.items()}}, f)
 
 
