@@ -39,13 +39,14 @@ def test_bench_tfcs_only(tmp_path, op):
 
 
 def test_bench_gap_between_calls(tmp_path):
-    stdout, data = _bench(tmp_path, "--gap-ms", "3")
-    assert data["gap_ms"] == 3.0
-    assert "calls 3 ms apart (ranks busy in between)" in stdout
+    stdout, data = _bench(tmp_path, "--gap-ms", "40")
+    assert data["gap_ms"] == 40.0
+    assert "calls 40 ms apart (ranks busy in between)" in stdout
     rows = data["results"]["tfcs"]
     assert set(rows) == {"8", "65536"}
-    # only the calls are timed: an 8-byte all-reduce on loopback stays far below the 3 ms gap
-    assert rows["8"]["median_s"] < 3e-3, rows
+    # only the calls are timed, not the gap. A call still includes waiting for the other rank, which
+    # on 2 busy cores can take a scheduler slice (a few ms) to get back on a CPU: hence half the gap.
+    assert all(r["median_s"] < 20e-3 for r in rows.values()), rows
 
 
 def test_bench_rejects_a_negative_gap(tmp_path):
