@@ -21,8 +21,8 @@ def test_gap_is_spent_before_each_call_but_not_timed(gap_ms):
     times = workers.timed(lambda: starts.append(time.perf_counter()), iters=10, warmup=0, gap_s=gap_ms / 1e3)
     wall = time.perf_counter() - t0
     assert len(times) == 10
-    # each timed call only appends: far below the gap
-    assert max(times) < gap_ms / 1e3 / 2, times
+    # each timed call only appends: far below the gap (the median: a preemption may hit one call)
+    assert sorted(times)[len(times) // 2] < gap_ms / 1e3 / 2, times
     # the gap really passed before every call (starts at least gap apart), and in all
     assert wall >= 10 * gap_ms / 1e3
     assert min(b - a for a, b in zip(starts, starts[1:])) >= gap_ms / 1e3
