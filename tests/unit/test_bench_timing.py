@@ -11,7 +11,7 @@ def test_back_to_back_calls_are_all_timed():
     calls = []
     times = workers.timed(lambda: calls.append(time.perf_counter()), iters=20, warmup=3)
     assert len(times) == 20 and len(calls) == 23
-    assert all(0 <= t < 0.05 for t in times)
+    assert all(t >= 0 for t in times) and sorted(times)[10] < 0.01
 
 
 @pytest.mark.parametrize("gap_ms", [2.0, 5.0])
@@ -28,12 +28,16 @@ def test_gap_is_spent_before_each_call_but_not_timed(gap_ms):
     assert min(b - a for a, b in zip(starts, starts[1:])) >= gap_ms / 1e3
 
 
-def test_busy_keeps_the_cpu_busy():
-    c0, w0 = time.process_time(), time.perf_counter()
-    workers.busy(0.05)
-    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-    assert wall >= 0.05
-    assert cpu >= 0.5 * wall  # spinning, not sleeping (a loaded 2-core machine may steal some)
+def test_busy_works_instead_of_sleeping(monkeypatch):
+    hashed = []
+    real = workers.hashlib.sha256
+    monkeypatch.setattr(workers.hashlib, "sha256", lambda b: (hashed.append(len(b)), real(b))[1])
+    monkeypatch.setattr(workers.time, "sleep", lambda s: pytest.fail("busy() slept"))
+    t0 = time.perf_counter()
+    workers.busy(0.02)
+    assert time.perf_counter() - t0 >= 0.02
+    # native work on a small buffer the whole time (each hash takes microseconds)
+    assert len(hashed) > 10 and set(hashed) == {16 << 10}
 
 
 def test_iterations_count_the_gap():
