@@ -13,7 +13,6 @@ choice is computed from the rendezvous' worker facts only, so both ends always a
 from __future__ import annotations
 
 import logging
-import os
 from typing import List, Optional
 
 from . import shm_transport, socket_transport, transport
@@ -59,7 +58,7 @@ class RingLinks:
         inbound, outbound = kinds[(self.rank - 1) % self.size], kinds[self.rank]
         if "shm" in (inbound, outbound):
             local = sum(1 for x in w if x.host_key == w[backend.rank].host_key)
-            spin = 50e-6 if (os.cpu_count() or 1) >= local else 0.0  # spinning only helps with a core per rank
+            spin = shm_transport.spin_seconds(local)
             self._shm = shm_transport.ShmLinks(g.store, backend.rank, self.left, self.right, inbound == "shm",
                                                outbound == "shm", [x.pid for x in w], backend.describe,
                                                backend.chunk_bytes, g.rendezvous_timeout, spin,

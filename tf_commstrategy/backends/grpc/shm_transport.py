@@ -63,6 +63,13 @@ HEAD, TAIL, CLOSED = 0, 8, 16  # indices into the segment header viewed as uint6
 BELL_BYTES = 4096
 YIELD_S = 0.002
 SLICE_S = 0.05   # longest sleep between checks of the abort state / the peer / the deadline
+SPIN_S = 50e-6   # busy wait before sleeping, when every rank of this host has a core of its own
+
+
+def spin_seconds(ranks_on_host: int) -> float:
+    """How long a wait spins before it sleeps: ``SPIN_S`` when every rank of this host has a core (a
+    spin then only burns an idle core), 0 when ranks outnumber cores (it would delay the rank waited for)."""
+    return SPIN_S if (os.cpu_count() or 1) >= ranks_on_host else 0.0
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "i386": 240, "i686": 240,
