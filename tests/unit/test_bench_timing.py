@@ -1,43 +1,66 @@
-"""tfcs-bench's timing loop: the busy gap before each call is spent, and never counted in the call's time."""
+"""tfcs-bench's timing loop: the busy gap before each call is spent, and never counted in the call's time.
 
-import time
+A fake clock (``time.perf_counter`` advancing 1 us per reading, plus what a call adds) makes every
+figure exact, whatever the machine is doing."""
 
 import pytest
 
 from tf_commstrategy.bench import workers
 
+TICK = 1e-6
 
-def test_back_to_back_calls_are_all_timed():
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += TICK
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(workers.time, "perf_counter", c)
+    monkeypatch.setattr(workers.time, "sleep", lambda s: pytest.fail("busy() slept"))
+    return c
+
+
+def test_back_to_back_calls_are_all_timed(clock):
     calls = []
-    times = workers.timed(lambda: calls.append(time.perf_counter()), iters=20, warmup=3)
+
+    def call():  # a call that takes 3 ms of the fake clock
+        calls.append(clock.now)
+        clock.now += 3e-3
+    times = workers.timed(call, iters=20, warmup=3)
     assert len(times) == 20 and len(calls) == 23
-    assert all(t >= 0 for t in times) and sorted(times)[10] < 0.01
+    assert times == pytest.approx([3e-3 + TICK] * 20)
 
 
 @pytest.mark.parametrize("gap_ms", [2.0, 5.0])
-def test_gap_is_spent_before_each_call_but_not_timed(gap_ms):
+def test_gap_is_spent_before_each_call_but_not_timed(clock, gap_ms):
     starts = []
-    t0 = time.perf_counter()
-    times = workers.timed(lambda: starts.append(time.perf_counter()), iters=10, warmup=0, gap_s=gap_ms / 1e3)
-    wall = time.perf_counter() - t0
-    assert len(times) == 10
-    # each timed call only appends: far below the gap (the median: a preemption may hit one call)
-    assert sorted(times)[len(times) // 2] < gap_ms / 1e3 / 2, times
-    # the gap really passed before every call (starts at least gap apart), and in all
-    assert wall >= 10 * gap_ms / 1e3
-    assert min(b - a for a, b in zip(starts, starts[1:])) >= gap_ms / 1e3
+
+    def call():
+        starts.append(clock.now)
+        clock.now += 1e-3
+    times = workers.timed(call, iters=10, warmup=0, gap_s=gap_ms / 1e3)
+    # only the call's 1 ms (and the reading that ends it) is timed, never the gap
+    assert times == pytest.approx([1e-3 + TICK] * 10)
+    # the gap really passed before every call: consecutive calls start the call plus the gap apart
+    assert all(b - a >= 1e-3 + gap_ms / 1e3 for a, b in zip(starts, starts[1:]))
+    assert starts[0] >= gap_ms / 1e3
 
 
-def test_busy_works_instead_of_sleeping(monkeypatch):
+def test_busy_works_instead_of_sleeping(clock, monkeypatch):
     hashed = []
     real = workers.hashlib.sha256
     monkeypatch.setattr(workers.hashlib, "sha256", lambda b: (hashed.append(len(b)), real(b))[1])
-    monkeypatch.setattr(workers.time, "sleep", lambda s: pytest.fail("busy() slept"))
-    t0 = time.perf_counter()
-    workers.busy(0.02)
-    assert time.perf_counter() - t0 >= 0.02
-    # native work on a small buffer the whole time (each hash takes microseconds)
-    assert len(hashed) > 10 and set(hashed) == {16 << 10}
+    workers.busy(200 * TICK)
+    assert clock.now >= 200 * TICK
+    # native work on a small buffer at every turn of the loop, never a sleep (the fixture fails one)
+    assert len(hashed) >= 190 and set(hashed) == {16 << 10}
 
 
 def test_iterations_count_the_gap():
