@@ -128,7 +128,10 @@ class FusionBuffers:
             except OSError as e:
                 reason = f"cannot map rank {q}'s buffer: {e}"
         store.set(f"{prefix}/ok/{rank}", "1" if reason is None else "0")
-        everyone = all(store.get(f"{prefix}/ok/{q}", timeout) == "1" for q in range(size) if q != rank)
+        # Every rank's answer, not the first "0": a rank that stopped reading at a peer's "0" would unlink
+        # its segment while a later peer is still mapping it (that peer then fails on a missing file).
+        answers = [store.get(f"{prefix}/ok/{q}", timeout) for q in range(size) if q != rank]
+        everyone = all(a == "1" for a in answers)
         if seg is not None:
             seg.unlink()  # every peer has mapped it (or given up): nothing stays in /dev/shm
         if reason is None and not everyone:
