@@ -72,6 +72,45 @@ def test_no_room_for_the_shared_all_reduce_buffers_keeps_the_shm_ring_with_one_w
     assert "shared all-reduce buffers unavailable" in res[1][3][0] and "No space left" in res[1][3][0]
 
 
+
+def _no_bell_mapping(rank, size):
+    os.environ["TFCS_SHM_FUSION_BYTES"] = "0"  # the ring carries the all-reduce
+    import errno
+    import logging
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.backends.grpc import shm_transport
+    from tf_commstrategy.process import default_group
+    warnings = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+    logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.WARNING))
+    if rank == 1:  # this rank maps its neighbours' rings but not their bells (out of mappings, say)
+        attach = shm_transport.Segment.attach
+
+        def no_bells(path):
+            if "-bell-" in os.path.basename(path):
+                raise OSError(errno.ENOMEM, "Cannot allocate memory")
+            return attach(path)
+        shm_transport.Segment.attach = staticmethod(no_bells)
+    tfcs.init(transport="shm", timeout=30)
+    got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
+    b = default_group().backend("grpc")
+    return b.transport, isinstance(b._ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(), warnings
+
+
+def test_a_neighbours_bell_that_cannot_be_mapped_falls_back_to_unix_sockets():
+    res = run_workers(_no_bell_mapping, 3, timeout=120)
+    n = 300_000
+    for rank, (transport, shm_in, tail, warns) in enumerate(res):
+        assert tail == [(n - 3) * 6.0, (n - 2) * 6.0, (n - 1) * 6.0], rank
+    # rank 1 has neither neighbour's bell: 0 -> 1 (it cannot ring 0 when it frees space) and 1 -> 2 use sockets
+    assert res[0][0] == "unix" and res[1][0] == "unix" and not res[1][1], res
+    assert res[2][0] == "shm" and not res[2][1], res
+    assert len(res[1][3]) == 1 and "cannot map rank 2" in res[1][3][0] and "Cannot allocate" in res[1][3][0], res[1][3]
+
+
 def _killed_mid_allreduce(rank, size, transport):
     if transport == "shm-ring":  # the ring over shared memory, without the shared all-reduce buffers
         os.environ["TFCS_SHM_FUSION_BYTES"] = "0"
@@ -106,3 +145,32 @@ def test_kill9_mid_allreduce_on_shm_leaves_no_segment_and_matches_other_paths():
     assert outcome["shm"] == outcome["unix"] == outcome["shm-ring"]
     left = [f for f in set(os.listdir(S.SHM_DIR)) - before if f.startswith(S.PREFIX)]
     assert left == []
+
+
+def _mapped_after_shutdown(rank, size, fusion_bytes):
+    os.environ["TFCS_SHM_FUSION_BYTES"] = str(fusion_bytes)
+    import tf_commstrategy as tfcs
+
+    def shm_maps():
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                           for line in f if S.PREFIX in line})
+    seen = []
+    for _ in range(2):  # init, all-reduce, shutdown; twice in one process
+        tfcs.init(transport="shm")
+        got = tfcs.allreduce(np.full(1 << 18, rank + 1.0, np.float32))
+        during = len(shm_maps())
+        tfcs.shutdown()
+        seen.append((float(got[0]), during, shm_maps()))
+    return seen
+
+
+@pytest.mark.parametrize("fusion_bytes", [0, 8 << 20], ids=["ring", "shared-buffers"])
+def test_shutdown_unmaps_every_shared_memory_segment(fusion_bytes):
+    # unlinked files stay allocated while mapped: a shutdown that keeps a mapping leaks /dev/shm until exit
+    res = run_workers(_mapped_after_shutdown, 3, fusion_bytes, timeout=120)
+    for rank, seen in enumerate(res):
+        for got, during, after in seen:
+            assert got == 6.0
+            assert during > 0, (rank, "no shared memory mapped during the job: the test checks nothing")
+            assert after == [], (rank, after)

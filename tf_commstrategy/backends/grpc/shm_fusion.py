@@ -146,7 +146,7 @@ class FusionBuffers:
         return cls(rank, size, seg, peers, min(caps), pids, describe, spin_s)
 
     def close(self) -> None:
-        self._ctl, self._data, self._bells = {}, {}, {}
+        self._ctl, self._data, self._bells, self._bell = {}, {}, {}, None  # no view may outlive the mappings
         for s in self._segs.values():
             s.close()
         self._segs = {}

@@ -232,8 +232,8 @@ class Segment:
         self.u8 = None
         try:
             self.mm.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
-            pass
+        except BufferError:  # a view is still alive somewhere: the mapping goes when that view does
+            log.debug("tf_commstrategy: %s stays mapped until its last view is released", self.path)
 
 
 class Bell:
@@ -577,7 +577,7 @@ class ShmLinks:
             elif theirs.get("why"):
                 self.fallback_reason = f"rank {right}: {theirs['why']}"
             bell_ok = store.get(f"{prefix}/bellok/{right}", timeout) == "1"
-            out_ok = right_ring is not None and bell_ok
+            out_ok = right_ring is not None and right_bell is not None and bell_ok
             store.set(f"{prefix}/link/{right}", "1" if out_ok else "0")
             if out_ok:
                 self.sender = ShmSender(right_ring, right_bell, _Waiter(my_bell, right, pids[right], rank, describe,
