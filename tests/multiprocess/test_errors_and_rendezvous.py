@@ -168,3 +168,16 @@ def _local(rank, size):
 
 def test_local_rank_and_size_from_hostnames():
     assert run_workers(_local, 3, timeout=60) == [(0, 3), (1, 3), (2, 3)]
+
+
+def _local_explicit(rank, size):
+    import tf_commstrategy as tfcs
+    coordinator = os.environ["TFCS_COORDINATOR"]
+    for name in ("TFCS_RANK", "TFCS_WORLD_SIZE", "TFCS_LOCAL_RANK", "TFCS_COORDINATOR"):
+        os.environ.pop(name, None)  # nothing from an engine: only the arguments
+    tfcs.init(rank=rank, world_size=size, coordinator=coordinator)
+    return tfcs.local_rank(), tfcs.local_size()
+
+
+def test_local_rank_with_explicit_ranks_and_no_engine():
+    assert run_workers(_local_explicit, 3, timeout=60) == [(0, 3), (1, 3), (2, 3)]

@@ -85,6 +85,21 @@ def test_torchrun_style():
     assert (s.rank, s.world_size, s.coordinator) == (0, 2, "m:29500")
 
 
+def test_explicit_ranks_without_an_engine_leave_the_local_rank_to_the_rendezvous():
+    # init(rank=1, world_size=2, coordinator=...) with nothing in the environment: not local rank 0 on every rank
+    s = resolve_cluster(rank=1, world_size=2, coordinator="127.0.0.1:5000", environ={})
+    assert (s.rank, s.world_size, s.local_rank) == (1, 2, None)
+    assert resolve_cluster(rank=0, world_size=1, environ={}).local_rank == 0  # alone: 0
+
+
+def test_an_explicit_rank_does_not_take_the_engines_local_rank():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[1-4]",
+           "SLURM_JOB_ID": "42"}
+    assert resolve_cluster(rank=2, world_size=4, coordinator="h:1", environ=env).local_rank is None
+    assert resolve_cluster(rank=2, world_size=4, local_rank=0, coordinator="h:1", environ=env).local_rank == 0
+    assert resolve_cluster(environ=env).local_rank == 1
+
+
 def test_local_rank_unknown_is_left_to_the_rendezvous():
     s = resolve_cluster(environ={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "1"})
     assert s.local_rank is None

@@ -232,7 +232,7 @@ def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None
         if found is not None:
             break
     if found is None:
-        found = (0, 1, 0, None, "default (single process)")
+        found = (0, 1, None, None, "default (single process)")  # local rank 0 only if alone (below)
     src_rank, src_size, src_local, src_coord, source = found
     explicit = rank is not None or world_size is not None
     if explicit and (rank is None or world_size is None) and source.startswith("default"):
@@ -241,7 +241,9 @@ def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None
     r = src_rank if rank is None else int(rank)
     n = src_size if world_size is None else int(world_size)
     # None: not given by any source; the rendezvous then counts the ranks on the same host.
-    lr = local_rank if local_rank is not None else src_local
+    # An explicit rank numbers the workers its own way: the environment's local rank belongs to another
+    # numbering (Slurm's, say) and is not trusted then.
+    lr = local_rank if local_rank is not None else (None if rank is not None else src_local)
     if lr is None and n == 1:
         lr = 0
     coord = coordinator or env.get("TFCS_COORDINATOR") or src_coord
