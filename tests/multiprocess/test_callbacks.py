@@ -62,6 +62,33 @@ def test_broadcast_callback_makes_weights_and_optimizer_state_identical(use_call
         assert not same
 
 
+
+def _broadcast_unbuilt(rank, size, legacy):
+    tf, keras, tfcs = _setup()
+    strategy = tfcs.CommStrategy()
+    _, _, ds = _data(tf)
+    keras.utils.set_random_seed(100 + rank)  # every rank starts from different weights
+    with strategy.scope():  # no input shape: nothing is built until the first batch
+        m = keras.Sequential([keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(2)])
+        opt = keras.optimizers.legacy.Adam(0.01) if legacy else keras.optimizers.Adam(0.01)
+        m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    cb = tfcs.callbacks.BroadcastGlobalVariablesCallback(0)
+    built_at_start = m.built
+    m.fit(ds, epochs=2, verbose=0, callbacks=[cb])
+    opt_vars = m.optimizer.variables() if legacy else m.optimizer.variables
+    return built_at_start, cb.broadcasts, m.get_weights(), [v.numpy() for v in opt_vars]
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["optimizer", "legacy-optimizer"])
+def test_broadcast_callback_on_a_model_built_by_its_first_batch(legacy):
+    (built0, n0, w0, o0), (built1, n1, w1, o1) = run_workers(_broadcast_unbuilt, 2, legacy, timeout=240)
+    assert not built0 and not built1 and n0 == n1 == 1
+    # the first step ran from different weights; the broadcast after it, then identical gradients
+    assert len(w0) == 4 and len(o0) > 1
+    for a, b in zip(w0 + o0, w1 + o1):
+        np.testing.assert_array_equal(a, b)
+
+
 def _metric_average(rank, size):
     tf, keras, tfcs = _setup()
     strategy = tfcs.CommStrategy(sync_metrics=False)

@@ -24,6 +24,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     or a model built outside ``CommStrategy``'s scope. Works with ``CommStrategy`` and with a plain
     single-device strategy per worker (it uses the direct collective API).
 
+    A model that is not built when ``fit`` starts on some worker (a ``Sequential`` without an input
+    shape, a subclassed model) has no variables yet: the broadcast then happens at the end of the first
+    batch, once the first step has built the model and the optimizer (as Horovod does). Every worker
+    takes the same decision (they agree on it with one small all-reduce).
+
     Args:
       root_rank: the rank whose state everybody takes.
 
@@ -39,19 +44,44 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         super().__init__()
         self.root_rank = root_rank
         self.broadcasts = 0
+        self._pending = False
 
     def on_train_begin(self, logs=None):
-        """Build the optimizer's slots, then broadcast every model and optimizer variable from the root.
+        """Broadcast now if the model is built on every worker, else after the first batch.
 
         Args:
-      logs: Keras's logs (unused).
+          logs: Keras's logs (unused).
         """
+        collectives._check_root(self.root_rank)  # pylint: disable=protected-access  (now, not after a batch)
+        built_here = bool(self.model.built)
+        built = built_here
+        if process.size() > 1:  # a model loaded on the root only may be built there alone
+            built = bool(collectives.allreduce(np.array([int(built_here)], np.int32), op="min")[0])
+        self._pending = not built
+        if built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        """The deferred broadcast, once the first step has built the model and the optimizer.
+
+        Args:
+          batch: the batch that ended.
+          logs: Keras's logs (unused).
+        """
+        if self._pending:
+            self._pending = False
+            self._broadcast()
+
+    def _broadcast(self):
         model = self.model
         opt = model.optimizer
         with model.distribute_strategy.scope():
             if opt is not None and hasattr(opt, "build") and not getattr(opt, "_built", False):
                 opt.build(model.trainable_variables)
-        variables = list(model.variables) + (list(opt.variables) if opt is not None else [])
+            elif opt is not None and hasattr(opt, "_create_all_weights"):  # tf_keras.optimizers.legacy.*
+                opt._create_all_weights(model.trainable_variables)  # pylint: disable=protected-access
+        opt_vars = [] if opt is None else (opt.variables() if callable(opt.variables) else opt.variables)
+        variables = list(model.variables) + list(opt_vars)
         # one variable object may appear twice (shared layers); broadcast each once
         unique, seen = [], set()
         for v in variables:
