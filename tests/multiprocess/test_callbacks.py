@@ -199,3 +199,30 @@ def test_warmup_learning_rate_follows_the_closed_form():
                 e = epoch + b / steps
                 want.append(0.4 / size * (e * (size - 1) / 2 + 1) if e < 2 else 0.4)
         np.testing.assert_allclose(lrs, want, rtol=1e-6)
+
+
+def _warmup_steps(rank, size):
+    tf, keras, tfcs = _setup()
+    x, y, ds = _data(tf)  # 4 batches of 32
+    m = _model(keras)
+    cb = tfcs.callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2)
+    m.fit(ds, epochs=1, verbose=0, callbacks=[cb])
+    first = cb.steps_per_epoch
+    m.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[cb])  # the next fit has 8 batches an epoch
+    second = cb.steps_per_epoch
+    unknown = tf.data.Dataset.from_generator(lambda: iter(zip(x, y)), output_signature=(
+        tf.TensorSpec((6,), tf.float32), tf.TensorSpec((), tf.int64))).batch(32)
+    try:
+        m.fit(unknown, epochs=1, verbose=0, callbacks=[cb])
+        refused = "no error"
+    except tfcs.ConfigurationError as e:
+        refused = str(e)
+    given = tfcs.callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2, steps_per_epoch=4)
+    m.fit(unknown, epochs=1, verbose=0, callbacks=[given])
+    return first, second, refused, given.steps_per_epoch
+
+
+def test_warmup_reads_each_fits_epoch_length_and_refuses_an_unknown_one():
+    (first, second, refused, given), = run_workers(_warmup_steps, 1, timeout=120)
+    assert (first, second, given) == (4, 8, 4)
+    assert "steps=None" in refused and "steps_per_epoch=" in refused, refused

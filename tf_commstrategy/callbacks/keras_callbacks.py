@@ -13,6 +13,7 @@ import numpy as np
 import tf_keras as keras
 
 from .. import collectives, process
+from ..errors import ConfigurationError
 from . import logic
 
 
@@ -125,7 +126,8 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     Args:
       initial_lr: the learning rate reached at the end of the warmup (usually base_lr * size).
       warmup_epochs: number of epochs the warmup lasts.
-      steps_per_epoch: batches per epoch (default: what ``fit`` reports).
+      steps_per_epoch: batches per epoch (default: what each ``fit`` reports; a dataset of unknown
+        length needs it).
       verbose: 1 prints the learning rate on rank 0 when the warmup ends.
 
     Attributes:
@@ -138,18 +140,31 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self.initial_lr = float(initial_lr)
         self.warmup_epochs = warmup_epochs
         self.steps_per_epoch = steps_per_epoch
+        self._given_steps = steps_per_epoch
         self.verbose = verbose
         self._epoch = 0
         self.current_lr = None
 
     def on_train_begin(self, logs=None):
-        """Take ``steps_per_epoch`` from ``fit`` when it was not given.
+        """Take ``steps_per_epoch`` from this ``fit`` when it was not given.
 
         Args:
-      logs: Keras's logs (unused).
+          logs: Keras's logs (unused).
+
+        Raises:
+          ConfigurationError: not given, and ``fit`` does not know the epoch's length.
         """
-        if self.steps_per_epoch is None:
-            self.steps_per_epoch = self.params.get("steps") or 1
+        if self._given_steps is not None:
+            self.steps_per_epoch = self._given_steps
+            return
+        steps = self.params.get("steps")  # re-read at every fit: the next one may have other data
+        if not steps:
+            raise ConfigurationError(
+                f"LearningRateWarmupCallback cannot tell how many batches an epoch has: fit() reports "
+                f"steps={steps!r} (a dataset of unknown length, e.g. from a generator or after filter())",
+                rank=process.rank() if process.is_initialized() else None,
+                fix="pass steps_per_epoch= to LearningRateWarmupCallback (or to fit())")
+        self.steps_per_epoch = int(steps)
 
     def on_epoch_begin(self, epoch, logs=None):
         """Remember the epoch, for the per-batch schedule.
@@ -196,7 +211,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         if epoch + 1 == int(np.ceil(self.warmup_epochs)):
             self.current_lr = self.initial_lr
             _set_lr(self.model.optimizer, self.initial_lr)
-            if self.verbose and process.rank() == 0:
+            if self.verbose and (not process.is_initialized() or process.rank() == 0):
                 print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
         if logs is not None:
             logs["lr"] = float(np.asarray(_get_lr(self.model.optimizer)))
