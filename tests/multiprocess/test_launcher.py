@@ -102,6 +102,82 @@ def test_sigterm_is_forwarded_to_every_worker(tmp_path):
     assert os.path.exists(str(marker) + "0") and os.path.exists(str(marker) + "1")
 
 
+def test_what_a_worker_started_is_stopped_when_the_job_ends(tmp_path):
+    pidfile = tmp_path / "child"
+    s = _script(tmp_path, f"""
+        import os, subprocess, sys
+        if os.environ["TFCS_RANK"] == "1":  # starts a process and exits without waiting for it
+            child = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            open({str(pidfile)!r}, "w").write(str(child.pid))
+    """)
+    r = _run(["-np", "2", sys.executable, s], timeout=60)
+    assert r.returncode == 0, r.stderr
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the worker's child {pid} outlived the job")
+
+
+def test_output_to_a_closed_pipe_does_not_block_the_workers(tmp_path):
+    s = _script(tmp_path, """
+        for i in range(100_000):  # far more than a pipe holds
+            print("line", i)
+    """)
+    cmd = " ".join(RUN + ["-np", "2", sys.executable, s]) + " | head -n 1"
+    p = subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # tfcs-run; its workers are in their own groups
+        subprocess.run(["pkill", "-9", "-f", s])
+        pytest.fail("tfcs-run | head did not finish: the workers blocked on a full pipe")
+    assert out.strip() in ("[0] line 0", "[1] line 0"), out[:200]
+
+
+def test_workers_that_ignore_a_forwarded_signal_are_stopped_after_the_grace_period(tmp_path):
+    s = _script(tmp_path, """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker that never reacts
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    p = subprocess.Popen(RUN + ["-np", "2", sys.executable, s], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    for _ in range(2):
+        assert "ready" in p.stdout.readline()
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        subprocess.run(["pkill", "-9", "-f", s])
+        pytest.fail("tfcs-run waited for workers that ignore SIGTERM")
+    assert p.returncode == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 30  # GRACE_S (10 s) and the 2 s SIGTERM -> SIGKILL step
+    assert "still running" in p.stderr.read()
+
+
+def test_host_argument_beats_an_inherited_bind_host(tmp_path):
+    s = _script(tmp_path, """
+        import os
+        print(os.environ.get("TFCS_BIND_HOST"))
+    """)
+    env = dict(os.environ, TFCS_BIND_HOST="10.9.9.9")
+    r = _run(["-np", "1", "--host", "127.0.0.1", "--no-prefix", sys.executable, s], env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["127.0.0.1"], (r.stdout, r.stderr)
+    r = _run(["-np", "1", "--no-prefix", sys.executable, s], env=env)  # no --host: the variable stands
+    assert r.returncode == 0 and r.stdout.split() == ["10.9.9.9"], (r.stdout, r.stderr)
+
+
 def test_usage_errors():
     r = _run(["-np", "2"])
     assert r.returncode == 2 and "no command" in r.stderr

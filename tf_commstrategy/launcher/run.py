@@ -7,10 +7,14 @@ Every output line of a worker is prefixed with ``[rank]``. When a worker fails, 
 ``--grace`` seconds to notice and report it themselves (they raise ``PeerLostError`` naming it), then
 they are stopped (SIGTERM, then SIGKILL after a grace period; each worker runs in its own process
 group, so its children go too) and ``tfcs-run`` exits with the first failing worker's code (128 +
-signal when it was killed), naming its rank. With ``--max-restarts K`` the whole job is started
+signal when it was killed), naming its rank. When the job ends, successfully or not, whatever is left in
+the workers' process groups (processes a worker started and did not wait for) is stopped as well. With ``--max-restarts K`` the whole job is started
 again after a failure, up to K times (workers see ``TFCS_RESTART_COUNT``; with
 ``tf_keras.callbacks.BackupAndRestore`` training resumes from the last finished epoch). SIGINT /
-SIGTERM sent to ``tfcs-run`` are forwarded to every worker and end the job without restarts.
+SIGTERM / SIGHUP sent to ``tfcs-run`` are forwarded to every worker and end the job without restarts;
+workers still running ``GRACE_S`` seconds later are stopped (SIGTERM, then SIGKILL), and a second signal
+kills them at once. Output sent to a closed reader (``tfcs-run ... | head``) is discarded, so workers never
+block writing it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ SURVIVOR_GRACE_S = 20.0  # first failure -> SIGTERM to the rest (they usually re
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -46,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data path under the ring (TFCS_TRANSPORT; default auto: shared memory on one host, "
                         "gRPC between hosts)")
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free port)")
-    p.add_argument("--host", default="127.0.0.1", help="address the coordinator and workers bind (loopback)")
+    p.add_argument("--host", help="address the coordinator and workers bind (default 127.0.0.1; sets "
+                                  "TFCS_BIND_HOST for the workers)")
     p.add_argument("--timeout", type=float, help="collective deadline in seconds (TFCS_TIMEOUT)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]")
     p.add_argument("--no-token", action="store_true",
@@ -71,17 +76,33 @@ def worker_env(base: dict, rank: int, n: int, coordinator: str, args, restart: i
         env["TFCS_TIMEOUT"] = str(args.timeout)
     if args.transport:
         env["TFCS_TRANSPORT"] = args.transport
-    if args.host:
-        env.setdefault("TFCS_BIND_HOST", args.host)
+    if args.host:  # an explicit --host beats an inherited TFCS_BIND_HOST
+        env["TFCS_BIND_HOST"] = args.host
     return env
 
 
 def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
+    """Copy a worker's output, line by line, until it closes; once our reader is gone (a closed pipe),
+    keep reading and discard, so the worker never blocks on a full pipe."""
+    broken = False
     for line in iter(stream.readline, b""):
+        if broken:
+            continue
         with lock:
-            out.buffer.write(prefix + line if prefix else line)
-            out.buffer.flush()
+            try:
+                out.buffer.write(prefix + line if prefix else line)
+                out.buffer.flush()
+            except (OSError, ValueError):  # BrokenPipeError, or our stream closed
+                broken = True
     stream.close()
+
+
+def _say(text: str) -> None:
+    """A message of tfcs-run's own on stderr; a closed stderr must not end the launcher early."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _is_stopped(pid: int) -> bool:
@@ -107,24 +128,39 @@ class Job:
         self.procs = procs
         self.stopping = False
 
-    def signal_all(self, sig: int) -> None:
+    def signal_all(self, sig: int, groups: bool = False) -> None:
+        """Send ``sig`` to the process group of every running worker (``groups``: of every worker, also
+        those that exited: what they started may still run there)."""
         for p in self.procs:
-            if p.poll() is None:
+            if groups or p.poll() is None:
                 try:
                     os.killpg(p.pid, sig)
-                except ProcessLookupError:
+                except (ProcessLookupError, PermissionError):
                     pass
 
-    def stop(self, grace: float = GRACE_S) -> None:
-        self.stopping = True
-        self.signal_all(signal.SIGTERM)
-        self.signal_all(signal.SIGCONT)  # a stopped (SIGSTOP) worker handles SIGTERM only once continued
-        end = time.monotonic() + grace
-        while time.monotonic() < end and any(p.poll() is None for p in self.procs):
-            time.sleep(0.05)
-        self.signal_all(signal.SIGKILL)
+    def _groups_alive(self) -> bool:
         for p in self.procs:
-            p.wait()
+            try:
+                os.killpg(p.pid, 0)
+                return True
+            except (ProcessLookupError, PermissionError):
+                continue
+        return False
+
+    def stop(self, grace: float = GRACE_S) -> None:
+        """SIGTERM to every worker's process group, SIGKILL to what is left after ``grace`` seconds."""
+        self.stopping = True
+        self.signal_all(signal.SIGTERM, groups=True)
+        self.signal_all(signal.SIGCONT, groups=True)  # a stopped (SIGSTOP) worker handles SIGTERM once continued
+        end = time.monotonic() + grace
+        while time.monotonic() < end and (any(p.poll() is None for p in self.procs) or self._groups_alive()):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL, groups=True)
+        for p in self.procs:
+            try:
+                p.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:  # unkillable (uninterruptible sleep in the kernel)
+                _say(f"tfcs-run: worker pid {p.pid} does not exit even after SIGKILL; leaving it")
 
 
 def run(argv: Optional[List[str]] = None) -> int:
@@ -143,31 +179,32 @@ def run(argv: Optional[List[str]] = None) -> int:
 
     def forward(signum, _frame):
         received.append(signum)
-        if job_box:
-            job_box[0].signal_all(signum)
+        if job_box:  # the first signal is the workers' to handle; a second one kills them
+            job_box[0].signal_all(signum if len(received) == 1 else signal.SIGKILL, groups=len(received) > 1)
 
     job_box: List[Job] = []
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for attempt in range(args.max_restarts + 1):
             code = _run_once(args, command, base, attempt, job_box, received)
             if code == 0 or received:
                 break
             if attempt < args.max_restarts:
-                print(f"tfcs-run: restarting all {args.np} workers (restart {attempt + 1} of "
-                      f"{args.max_restarts})", file=sys.stderr)
+                _say(f"tfcs-run: restarting all {args.np} workers (restart {attempt + 1} of "
+                     f"{args.max_restarts})")
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    if received and code == 0:
+    if received:  # the job was ended by this signal (workers killed at the end of its grace included)
         code = 128 + received[0]
     return code
 
 
 def _run_once(args, command, base: dict, attempt: int, job_box: list, received: list) -> int:
     """Start the workers once and wait for them; returns the job's exit code."""
-    port = args.port or _free_port(args.host)
-    coordinator = f"{args.host}:{port}"
+    host = args.host or "127.0.0.1"
+    port = args.port or _free_port(host)
+    coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     lock = threading.Lock()
     procs, pumps = [], []
     job = Job(procs)
@@ -178,7 +215,7 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
             p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
-            print(f"tfcs-run: cannot start {command[0]!r}: {e}", file=sys.stderr)
+            _say(f"tfcs-run: cannot start {command[0]!r}: {e}")
             job.stop(grace=2.0)
             return 127
         procs.append(p)
@@ -188,8 +225,14 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
             t.start()
             pumps.append(t)
     exit_code = 0
+    signalled_at = None
     try:
         while True:
+            if received and signalled_at is None:
+                signalled_at = time.monotonic()
+            if signalled_at is not None and time.monotonic() - signalled_at > GRACE_S:
+                _say(f"tfcs-run: workers still running {GRACE_S:g} s after the signal; stopping them")
+                job.stop(grace=2.0)
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -198,8 +241,8 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
                 if received:
                     job.stop()
                     break
-                print(f"tfcs-run: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; giving the other "
-                      f"workers {args.grace:g} s to stop", file=sys.stderr)
+                _say(f"tfcs-run: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; giving the other "
+                     f"workers {args.grace:g} s to stop")
                 end = time.monotonic() + args.grace
                 while time.monotonic() < end and not received:
                     alive = [p for p in procs if p.poll() is None]
@@ -208,12 +251,10 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
                     time.sleep(0.05)
                 stopped = {r for r, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)}
                 for r in sorted(stopped):
-                    print(f"tfcs-run: rank {r} (pid {procs[r].pid}) is stopped (SIGSTOP?) and will be killed",
-                          file=sys.stderr)
+                    _say(f"tfcs-run: rank {r} (pid {procs[r].pid}) is stopped (SIGSTOP?) and will be killed")
                 job.stop()
                 others = [f"rank {r} {_describe(p.returncode)}" for r, p in enumerate(procs) if r != rank]
-                print(f"tfcs-run: job failed: rank {rank} {_describe(code)} (first failure); "
-                      + "; ".join(others), file=sys.stderr)
+                _say(f"tfcs-run: job failed: rank {rank} {_describe(code)} (first failure); " + "; ".join(others))
                 break
             if all(c == 0 for c in codes):
                 break
@@ -221,6 +262,7 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
                 break
             time.sleep(0.05)
     finally:
+        job.stop(grace=2.0)  # what the workers left in their groups (and all of them, on an exception here)
         for t in pumps:
             t.join(timeout=5)
         _remove_segments_of({p.pid for p in procs})
@@ -236,7 +278,7 @@ def _remove_segments_of(pids) -> None:
     except Exception:  # pragma: no cover - cleanup must never hide the job's own exit code
         return
     if n:
-        print(f"tfcs-run: removed {n} shared-memory segment(s) left by the workers", file=sys.stderr)
+        _say(f"tfcs-run: removed {n} shared-memory segment(s) left by the workers")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
