@@ -48,9 +48,12 @@ def parse_size(text: str) -> int:
     if not num or suffix not in _SIZE_SUFFIX:
         raise ConfigurationError(f"cannot parse size {text!r}", fix="write e.g. 8, 4K, 256K, 4M, 1G")
     try:
-        return int(float(num) * _SIZE_SUFFIX[suffix])
-    except ValueError:
+        value = int(float(num) * _SIZE_SUFFIX[suffix])
+    except (ValueError, OverflowError):  # "1e400", "inf", "nan"
         raise ConfigurationError(f"cannot parse size {text!r}", fix="write e.g. 8, 4K, 256K, 4M, 1G") from None
+    if value < 0:
+        raise ConfigurationError(f"size {text!r} is negative", fix="write a size of 0 or more, e.g. 8, 4K, 4M")
+    return value
 
 
 def env_value(name: str, parse: Callable[[str], T], default: T,

@@ -1,0 +1,35 @@
+"""Sizes and environment variables: parsed values, and errors that name the variable."""
+
+import pytest
+
+from tf_commstrategy.config import env_value, parse_size
+from tf_commstrategy.errors import ConfigurationError
+
+
+@pytest.mark.parametrize("text,want", [
+    ("0", 0), ("8", 8), ("4K", 4096), ("4kb", 4096), ("256KiB", 256 << 10), ("64M", 64 << 20),
+    (" 1GiB ", 1 << 30), ("1.5M", 3 << 19), ("12B", 12),
+])
+def test_sizes(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text,match", [
+    ("", "cannot parse"), ("M", "cannot parse"), ("4X", "cannot parse"), ("four", "cannot parse"),
+    ("1e400", "cannot parse"), ("inf", "cannot parse"), ("nan", "cannot parse"), ("-4M", "negative"),
+])
+def test_bad_sizes_are_refused(text, match):
+    with pytest.raises(ConfigurationError, match=match):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("raw", ["1e400", "-4M", "lots"])
+def test_a_bad_variable_is_named_in_the_error(raw):
+    with pytest.raises(ConfigurationError) as e:
+        env_value("TFCS_CHUNK_BYTES", parse_size, None, {"TFCS_CHUNK_BYTES": raw})
+    assert "TFCS_CHUNK_BYTES" in str(e.value) and repr(raw) in str(e.value)
+
+
+def test_unset_or_empty_gives_the_default():
+    assert env_value("TFCS_CHUNK_BYTES", parse_size, 7, {}) == 7
+    assert env_value("TFCS_CHUNK_BYTES", parse_size, 7, {"TFCS_CHUNK_BYTES": ""}) == 7
