@@ -181,3 +181,47 @@ def _local_explicit(rank, size):
 
 def test_local_rank_with_explicit_ranks_and_no_engine():
     assert run_workers(_local_explicit, 3, timeout=60) == [(0, 3), (1, 3), (2, 3)]
+
+
+def _short_of_workers(rank, size):
+    import tf_commstrategy as tfcs
+    coordinator = os.environ["TFCS_COORDINATOR"]
+    for name in ("TFCS_RANK", "TFCS_WORLD_SIZE", "TFCS_LOCAL_RANK", "TFCS_COORDINATOR"):
+        os.environ.pop(name, None)
+    t0 = time.monotonic()
+    try:
+        tfcs.init(rank=rank, world_size=4, coordinator=coordinator, rendezvous_timeout=3)
+    except tfcs.RendezvousError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", 0.0
+
+
+def test_missing_workers_are_all_named_at_the_rendezvous_deadline():
+    res = run_workers(_short_of_workers, 2, timeout=60)  # a job of 4, of which 2 were started
+    for msg, dt in res:
+        assert "rank(s) [2, 3] of a job of 4 did not join within 3 s" in msg, msg
+        assert "TFCS_RENDEZVOUS_TIMEOUT" in msg
+        assert dt < 30
+
+
+def _init_fails_then_again(rank, size):
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.backends.grpc import transport
+    server = transport.DataServer
+    if rank == 1:  # this rank's data server cannot start (say, no free port): init fails after the rendezvous
+        def broken(*a, **k):
+            raise tfcs.RendezvousError("cannot start the data server (injected)", rank=rank)
+        transport.DataServer = broken
+    try:
+        tfcs.init(rendezvous_timeout=3)
+        first = "no error"
+    except tfcs.RendezvousError as e:
+        first = type(e).__name__
+    transport.DataServer = server
+    time.sleep(6 - 3 * rank)  # rank 0's failed init has returned (its deadline) before rank 1 comes back
+    tfcs.init(rendezvous_timeout=30)  # the same coordinator port again: the first one must be gone
+    return first, tfcs.allreduce(np.array([rank + 1.0])).tolist()
+
+
+def test_init_can_be_called_again_after_a_failed_init():
+    assert run_workers(_init_fails_then_again, 2, timeout=90) == [("RendezvousError", [3.0])] * 2

@@ -98,7 +98,11 @@ class ProcessGroup:
         # The ring is the control and default data plane: bring it up during init, so that every rank's
         # data server is known before the first collective (a rank that never calls a collective must
         # show up as a collective timeout, not as a rendezvous wait).
-        self.backend("grpc")
+        try:
+            self.backend("grpc")
+        except BaseException:  # a failed init leaves nothing serving: init() can be called again
+            self._rdv.close()
+            raise
 
     def backend(self, name: str) -> Backend:
         """The backend registered as ``name`` ("grpc", "nccl"), built on first use (a collective step:

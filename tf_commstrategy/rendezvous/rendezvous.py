@@ -12,6 +12,7 @@ import ipaddress
 import json
 import os
 import socket
+import time
 from typing import List, Optional
 
 from ..errors import RendezvousError
@@ -140,6 +141,28 @@ class Rendezvous:
             self.server.stop()
 
 
+def _gather_workers(store, spec: ClusterSpec, timeout: float, end: float) -> List[WorkerInfo]:
+    """Every worker's info, waiting until ``end``; the error names every rank still missing."""
+    found = []
+    for i in range(spec.world_size):
+        try:
+            found.append(store.get(f"worker/{i}", max(0.0, end - time.monotonic())))
+        except RendezvousError:
+            missing = []
+            for j in range(i, spec.world_size):
+                try:
+                    store.get(f"worker/{j}", 0.0)
+                except RendezvousError:
+                    missing.append(j)
+            raise RendezvousError(
+                f"rank(s) {missing} of a job of {spec.world_size} did not join within {timeout:.0f} s",
+                rank=spec.rank, address=spec.coordinator,
+                fix="start every worker with the same world size and coordinator address (a worker that "
+                    "crashed at start has its own error in its log), or raise TFCS_RENDEZVOUS_TIMEOUT "
+                    "when workers start slowly") from None
+    return [WorkerInfo(**json.loads(x)) for x in found]
+
+
 def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Optional[str], tls=None) -> Rendezvous:
     """Meet every other worker of ``spec``; returns the store and who is where.
 
@@ -168,6 +191,7 @@ def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Opt
         bind = bind_host or default_bind_host(host)
         server = CoordinatorServer(f"{bind}:{port}" if ":" not in bind else f"[{bind}]:{port}",
                                    spec.world_size, token, tls=tls)
+    end = time.monotonic() + timeout  # one deadline for the whole meeting, however the workers trickle in
     store = CoordinatorClient(spec.coordinator, spec.rank, token, tls=tls)
     try:
         store.wait_ready(timeout)
@@ -177,9 +201,9 @@ def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Opt
                                   address=spec.coordinator,
                                   fix="give every worker a distinct rank (check TFCS_RANK / the launcher)")
         store.set(f"worker/{spec.rank}", json.dumps(dataclasses.asdict(me)))
-        workers = [WorkerInfo(**json.loads(store.get(f"worker/{i}", timeout))) for i in range(spec.world_size)]
-        store.barrier("rendezvous", spec.world_size, timeout)
-    except RendezvousError:
+        workers = _gather_workers(store, spec, timeout, end)
+        store.barrier("rendezvous", spec.world_size, max(1.0, end - time.monotonic()))
+    except BaseException:  # also KeyboardInterrupt: never leave rank 0's coordinator serving
         store.close()
         if server is not None:
             server.stop()

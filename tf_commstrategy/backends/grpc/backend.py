@@ -158,8 +158,12 @@ class GrpcRingBackend(Backend):
         self._lost = set()
         self.transport = "none"
         if self.size > 1:
-            self._connect()
-            self._start_watchdog()
+            try:
+                self._connect()
+                self._start_watchdog()
+            except BaseException:  # no server, socket or shared-memory segment outlives a failed setup
+                self.close()
+                raise
 
     # -- setup -----------------------------------------------------------------------------------
     def _connect(self) -> None:
