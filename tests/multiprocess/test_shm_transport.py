@@ -174,3 +174,31 @@ def test_shutdown_unmaps_every_shared_memory_segment(fusion_bytes):
             assert got == 6.0
             assert during > 0, (rank, "no shared memory mapped during the job: the test checks nothing")
             assert after == [], (rank, after)
+
+
+def _neighbour_stalls_in_setup(rank, size, where):
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.backends.grpc import shm_fusion, shm_transport
+    if rank == 1:  # reaches the shared-memory setup and never publishes its segments
+        def stall(*a, **k):
+            time.sleep(8)
+            raise SystemExit(0)
+        if where == "links":
+            shm_transport.ShmLinks.__init__ = stall
+        else:
+            shm_fusion.FusionBuffers.create = stall
+    try:
+        tfcs.init(transport="shm", rendezvous_timeout=3)
+        return "no error", []
+    except tfcs.TfcsError as e:
+        mine = [f for f in os.listdir(S.SHM_DIR) if f.startswith(f"{S.PREFIX}{os.getpid()}-")]
+        return type(e).__name__, mine  # read while this process is alive: not the launcher's cleanup
+
+
+@pytest.mark.parametrize("where,size", [("links", 2), ("shared-buffers", 3)])
+def test_a_setup_that_fails_midway_leaves_no_segment_while_the_process_lives(where, size):
+    res = run_workers(_neighbour_stalls_in_setup, size, where, timeout=60, expect_failure=True)
+    for rank in range(size):
+        if rank != 1:
+            status, (name, left) = res[rank]
+            assert status == "ok" and name == "RendezvousError" and left == [], (rank, res[rank])

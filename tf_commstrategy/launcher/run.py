@@ -8,9 +8,10 @@ Every output line of a worker is prefixed with ``[rank]``. When a worker fails, 
 they are stopped (SIGTERM, then SIGKILL after a grace period; each worker runs in its own process
 group, so its children go too) and ``tfcs-run`` exits with the first failing worker's code (128 +
 signal when it was killed), naming its rank. When the job ends, successfully or not, whatever is left in
-the workers' process groups (processes a worker started and did not wait for) is stopped as well. With ``--max-restarts K`` the whole job is started
-again after a failure, up to K times (workers see ``TFCS_RESTART_COUNT``; with
-``tf_keras.callbacks.BackupAndRestore`` training resumes from the last finished epoch). SIGINT /
+the workers' process groups (processes a worker started and did not wait for) is stopped as well.
+With ``--max-restarts K`` the whole job is started again after a failure, up to K times (workers see
+``TFCS_RESTART_COUNT``; with ``tf_keras.callbacks.BackupAndRestore`` training resumes from the last
+finished epoch). SIGINT /
 SIGTERM / SIGHUP sent to ``tfcs-run`` are forwarded to every worker and end the job without restarts;
 workers still running ``GRACE_S`` seconds later are stopped (SIGTERM, then SIGKILL), and a second signal
 kills them at once. Output sent to a closed reader (``tfcs-run ... | head``) is discarded, so workers never

@@ -110,40 +110,48 @@ class FusionBuffers:
             except OSError as e:
                 reason = (f"cannot reserve {(HEADER_BYTES + capacity) >> 20} MiB in {shm_transport.SHM_DIR} "
                           f"({e}; {shm_transport._free_mib()} MiB free)")
-        store.set(f"{prefix}/seg/{rank}", json.dumps({"path": seg.path if seg else None, "why": reason,
-                                                      "capacity": capacity}))
         peers, caps = {}, [capacity]
-        for q in range(size):
-            if q == rank:
-                continue
-            theirs = json.loads(store.get(f"{prefix}/seg/{q}", timeout))
-            caps.append(int(theirs.get("capacity") or 0))
+        try:
+            store.set(f"{prefix}/seg/{rank}", json.dumps({"path": seg.path if seg else None, "why": reason,
+                                                          "capacity": capacity}))
+            for q in range(size):
+                if q == rank:
+                    continue
+                theirs = json.loads(store.get(f"{prefix}/seg/{q}", timeout))
+                caps.append(int(theirs.get("capacity") or 0))
+                if reason is not None:
+                    continue
+                if not theirs["path"]:
+                    reason, warned = f"rank {q}: {theirs['why']}", True  # that rank warns
+                    continue
+                try:
+                    peers[q] = Segment.attach(theirs["path"])
+                except OSError as e:
+                    reason = f"cannot map rank {q}'s buffer: {e}"
+            store.set(f"{prefix}/ok/{rank}", "1" if reason is None else "0")
+            # Every rank's answer, not the first "0": a rank that stopped reading at a peer's "0" would unlink
+            # its segment while a later peer is still mapping it (that peer then fails on a missing file).
+            answers = [store.get(f"{prefix}/ok/{q}", timeout) for q in range(size) if q != rank]
+            everyone = all(a == "1" for a in answers)
+            if seg is not None:
+                seg.unlink()  # every peer has mapped it (or given up): nothing stays in /dev/shm
+            if reason is None and not everyone:
+                reason, warned = "a peer could not create or map its buffer", True
             if reason is not None:
-                continue
-            if not theirs["path"]:
-                reason, warned = f"rank {q}: {theirs['why']}", True  # that rank warns
-                continue
-            try:
-                peers[q] = Segment.attach(theirs["path"])
-            except OSError as e:
-                reason = f"cannot map rank {q}'s buffer: {e}"
-        store.set(f"{prefix}/ok/{rank}", "1" if reason is None else "0")
-        # Every rank's answer, not the first "0": a rank that stopped reading at a peer's "0" would unlink
-        # its segment while a later peer is still mapping it (that peer then fails on a missing file).
-        answers = [store.get(f"{prefix}/ok/{q}", timeout) for q in range(size) if q != rank]
-        everyone = all(a == "1" for a in answers)
-        if seg is not None:
-            seg.unlink()  # every peer has mapped it (or given up): nothing stays in /dev/shm
-        if reason is None and not everyone:
-            reason, warned = "a peer could not create or map its buffer", True
-        if reason is not None:
-            for s in list(peers.values()) + ([seg] if seg is not None else []):
+                for s in list(peers.values()) + ([seg] if seg is not None else []):
+                    s.close()
+                (log.info if warned else log.warning)(
+                    "tf_commstrategy rank %d: shared all-reduce buffers unavailable (%s); all-reduce uses the ring "
+                    "instead", rank, reason)
+                return None
+            return cls(rank, size, seg, peers, min(caps), pids, describe, spin_s)
+        except BaseException:  # the store failed us (a peer gone, a deadline): leave nothing in /dev/shm
+            for s in peers.values():
                 s.close()
-            (log.info if warned else log.warning)(
-                "tf_commstrategy rank %d: shared all-reduce buffers unavailable (%s); all-reduce uses the ring "
-                "instead", rank, reason)
-            return None
-        return cls(rank, size, seg, peers, min(caps), pids, describe, spin_s)
+            if seg is not None:
+                seg.unlink()
+                seg.close()
+            raise
 
     def close(self) -> None:
         self._ctl, self._data, self._bells, self._bell = {}, {}, {}, None  # no view may outlive the mappings

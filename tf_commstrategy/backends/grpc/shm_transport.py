@@ -549,56 +549,65 @@ class ShmLinks:
                             seg.unlink()
                             seg.close()
                     bell = ring = None
-        mine = {"bell": bell.path if bell else None, "ring": ring.path if ring else None, "why": reason}
-        store.set(f"{prefix}/seg/{rank}", json.dumps(mine))
-        self.fallback_reason = reason
-        my_bell = Bell(bell) if bell else None
-        # the left neighbour's bell: I ring it when I free space in my ring
-        left_bell = None
-        if want_in and my_bell is not None:
-            theirs = json.loads(store.get(f"{prefix}/seg/{left}", timeout))
-            try:
-                left_bell = Bell(Segment.attach(theirs["bell"])) if theirs["bell"] else None
-            except OSError as e:
-                self.fallback_reason = f"cannot map rank {left}'s bell: {e}"
-        if want_in:
-            store.set(f"{prefix}/bellok/{rank}", "1" if left_bell is not None else "0")
-        # my outbound: map the right neighbour's ring and bell
-        out_ok = False
-        if want_out:
-            theirs = json.loads(store.get(f"{prefix}/seg/{right}", timeout))
-            right_ring = right_bell = None
-            if my_bell is not None and theirs["ring"] and theirs["bell"]:
+        left_bell = right_ring = right_bell = None
+        try:
+            mine = {"bell": bell.path if bell else None, "ring": ring.path if ring else None, "why": reason}
+            store.set(f"{prefix}/seg/{rank}", json.dumps(mine))
+            self.fallback_reason = reason
+            my_bell = Bell(bell) if bell else None
+            # the left neighbour's bell: I ring it when I free space in my ring
+            if want_in and my_bell is not None:
+                theirs = json.loads(store.get(f"{prefix}/seg/{left}", timeout))
                 try:
-                    right_ring = Segment.attach(theirs["ring"])
-                    right_bell = Bell(Segment.attach(theirs["bell"]))
+                    left_bell = Bell(Segment.attach(theirs["bell"])) if theirs["bell"] else None
                 except OSError as e:
-                    self.fallback_reason = f"cannot map rank {right}'s segments: {e}"
-            elif theirs.get("why"):
-                self.fallback_reason = f"rank {right}: {theirs['why']}"
-            bell_ok = store.get(f"{prefix}/bellok/{right}", timeout) == "1"
-            out_ok = right_ring is not None and right_bell is not None and bell_ok
-            store.set(f"{prefix}/link/{right}", "1" if out_ok else "0")
-            if out_ok:
-                self.sender = ShmSender(right_ring, right_bell, _Waiter(my_bell, right, pids[right], rank, describe,
-                                                                        spin_s), rank, right)
-            else:
-                for seg in (right_ring, right_bell.seg if right_bell else None):
-                    if seg is not None:
-                        seg.close()
-        if want_in:
-            in_ok = store.get(f"{prefix}/link/{rank}", timeout) == "1"
-            if in_ok:
-                self.receiver = ShmReceiver(ring, left_bell, _Waiter(my_bell, left, pids[left], rank, describe,
-                                                                    spin_s), rank, left)
-            elif ring is not None:
+                    self.fallback_reason = f"cannot map rank {left}'s bell: {e}"
+            if want_in:
+                store.set(f"{prefix}/bellok/{rank}", "1" if left_bell is not None else "0")
+            # my outbound: map the right neighbour's ring and bell
+            out_ok = False
+            if want_out:
+                theirs = json.loads(store.get(f"{prefix}/seg/{right}", timeout))
+                if my_bell is not None and theirs["ring"] and theirs["bell"]:
+                    try:
+                        right_ring = Segment.attach(theirs["ring"])
+                        right_bell = Bell(Segment.attach(theirs["bell"]))
+                    except OSError as e:
+                        self.fallback_reason = f"cannot map rank {right}'s segments: {e}"
+                elif theirs.get("why"):
+                    self.fallback_reason = f"rank {right}: {theirs['why']}"
+                bell_ok = store.get(f"{prefix}/bellok/{right}", timeout) == "1"
+                out_ok = right_ring is not None and right_bell is not None and bell_ok
+                store.set(f"{prefix}/link/{right}", "1" if out_ok else "0")
+                if out_ok:
+                    waiter = _Waiter(my_bell, right, pids[right], rank, describe, spin_s)
+                    self.sender = ShmSender(right_ring, right_bell, waiter, rank, right)
+                else:
+                    for seg in (right_ring, right_bell.seg if right_bell else None):
+                        if seg is not None:
+                            seg.close()
+            if want_in:
+                in_ok = store.get(f"{prefix}/link/{rank}", timeout) == "1"
+                if in_ok:
+                    waiter = _Waiter(my_bell, left, pids[left], rank, describe, spin_s)
+                    self.receiver = ShmReceiver(ring, left_bell, waiter, rank, left)
+                elif ring is not None:
+                    ring.unlink()
+                    ring.close()
+            # everyone who maps my segments has done so (or given up): unlink them
+            if ring is not None:
                 ring.unlink()
-                ring.close()
-        # everyone who maps my segments has done so (or given up): unlink them
-        if ring is not None:
-            ring.unlink()
-        if bell is not None:
-            bell.unlink()
+            if bell is not None:
+                bell.unlink()
+        except BaseException:  # the store failed us (a neighbour gone, a deadline): leave nothing in /dev/shm
+            for seg in (bell, ring):
+                if seg is not None:
+                    seg.unlink()
+                    seg.close()
+            for seg in (left_bell.seg if left_bell else None, right_ring, right_bell.seg if right_bell else None):
+                if seg is not None:
+                    seg.close()
+            raise
         self.bell = my_bell
         self.fell_back = (want_in and self.receiver is None) or (want_out and self.sender is None)
         if self.fell_back:
