@@ -225,3 +225,32 @@ def _init_fails_then_again(rank, size):
 
 def test_init_can_be_called_again_after_a_failed_init():
     assert run_workers(_init_fails_then_again, 2, timeout=90) == [("RendezvousError", [3.0])] * 2
+
+
+def _shutdown_after_a_failure(rank, size):
+    import logging
+    import tf_commstrategy as tfcs
+    warnings = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+    logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.WARNING))
+    tfcs.init()
+    if rank == 0:  # rank 1 never joins this all-reduce: rank 0 times out and tells it (Abort)
+        try:
+            tfcs.allreduce(np.ones(4), timeout=2)
+        except tfcs.CollectiveTimeoutError:
+            pass
+        time.sleep(4)  # and stays alive a while: rank 1 leaves first
+    else:  # idle while that happens: it only hears of the failure
+        time.sleep(4)
+    t0 = time.monotonic()
+    tfcs.shutdown()
+    return time.monotonic() - t0, [w for w in warnings if "shutdown barrier" in w]
+
+
+def test_after_a_failure_no_rank_waits_in_the_shutdown_barrier():
+    res = run_workers(_shutdown_after_a_failure, 2, timeout=120)
+    for rank, (_, barrier_warnings) in enumerate(res):
+        assert barrier_warnings == [], (rank, barrier_warnings)  # it would wait its 30 s out, then warn

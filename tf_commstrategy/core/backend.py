@@ -148,6 +148,10 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release resources; called by ``ProcessGroup.shutdown``."""
 
+    def failure(self) -> Optional[BaseException]:
+        """The error that made this backend unusable (its own, or one another rank reported), else None."""
+        return getattr(self, "_failed", None)
+
     def abort(self, error: BaseException) -> None:
         """Fail every pending and future collective of this backend with ``error``.
 

@@ -144,7 +144,9 @@ class ProcessGroup:
             quiesce = getattr(b, "quiesce", None)
             if quiesce is not None:
                 quiesce()  # peers leaving is expected from here on: no heartbeat alarms
-        failed = any(getattr(b, "_failed", None) is not None for b in self._backends.values())
+        # every rank of a failed job must agree to skip the barrier: the one that failed, and the ones
+        # that only heard of it (an Abort received while idle)
+        failed = any(b.failure() is not None for b in self._backends.values())
         clean = False
         if self.store is not None and not failed:
             try:

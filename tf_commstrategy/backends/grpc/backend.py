@@ -340,6 +340,9 @@ class GrpcRingBackend(Backend):
             time.sleep(0.01)
         return error
 
+    def failure(self) -> Optional[BaseException]:
+        return self._failed or self.mailbox.error_now()  # an Abort from another rank counts, idle or not
+
     def _fail(self, error: BaseException, notify_peers: bool) -> None:
         if self._failed is not None:
             return
