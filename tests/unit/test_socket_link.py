@@ -127,3 +127,35 @@ def test_a_broken_outbound_waits_for_the_failure_another_rank_reports():
     t0 = time.monotonic()
     assert b2._reported_cause(e.value) is e.value  # nobody reports: the neighbour is blamed
     assert time.monotonic() - t0 >= wire.GONE_GRACE_S * 0.9
+
+
+def _open_fds():
+    import os
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("server", ["hangs-up", "absent"])
+def test_a_failed_connect_closes_its_socket(server):
+    import threading
+    from tf_commstrategy.errors import RendezvousError
+    name = f"tfcs-test-{time.monotonic_ns()}"
+    lst = None
+    if server == "hangs-up":  # accepts, then closes before sending its challenge
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lst.bind("\0" + name)
+        lst.listen(16)
+
+        def hang_up():
+            for _ in range(20):
+                conn, _ = lst.accept()
+                conn.close()
+        threading.Thread(target=hang_up, daemon=True).start()
+    before = _open_fds()
+    kept = []  # the errors are kept, as a caller that reports them later does: their frames stay alive
+    for _ in range(20):
+        with pytest.raises(RendezvousError) as e:
+            S.SocketSender.connect(f"unix:{name}", None, 1, 0, timeout=5)
+        kept.append(e.value)
+    assert _open_fds() == before  # 20 failed attempts, no socket left open
+    if lst is not None:
+        lst.close()

@@ -154,6 +154,9 @@ class SocketServer:
             conn.close()
             return
         with self._cv:
+            if self._closing.is_set():  # stop() already closed the others: this one would be left open
+                conn.close()
+                return
             old = self._conns.pop((ring_id, sender), None)
             self._conns[(ring_id, sender)] = conn
             self._cv.notify_all()
@@ -209,8 +212,12 @@ def _advance(views, n: int) -> None:
 def _connect(address: str, timeout: float) -> socket.socket:
     if address.startswith("unix:"):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(timeout)
-        s.connect("\0" + address[len("unix:"):])
+        try:
+            s.settimeout(timeout)
+            s.connect("\0" + address[len("unix:"):])
+        except BaseException:
+            s.close()
+            raise
     else:
         host, port = address.rsplit(":", 1)
         s = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
@@ -260,21 +267,28 @@ class SocketSender:
         Raises:
           RendezvousError: the server cannot be reached or hung up before its challenge.
         """
+        sock = None
         try:
             sock = _connect(address, timeout)
             sock.settimeout(timeout)
             nonce = _recv_exact(sock, NONCE_BYTES)
+            if nonce is None:
+                raise RendezvousError(f"the data server of rank {peer_rank} at {address} closed the connection "
+                                      f"before its challenge", rank=my_rank, address=address,
+                                      fix=f"rank {peer_rank} probably died while starting; see its log")
+            sock.sendall(HELLO.pack(HELLO_MAGIC, my_rank, ring_id, _mac(token, my_rank, bytes(nonce), ring_id)))
         except OSError as e:
+            if sock is not None:
+                sock.close()
             raise RendezvousError(f"cannot open the data connection to rank {peer_rank} at {address}: {e}",
                                   rank=my_rank, address=address,
                                   fix=f"rank {peer_rank} may have died while starting (see its log); ranks that "
                                       "share a hostname but not a network namespace need TFCS_TRANSPORT=grpc "
                                       "or tcp") from None
-        if nonce is None:
-            raise RendezvousError(f"the data server of rank {peer_rank} at {address} closed the connection "
-                                  f"before its challenge", rank=my_rank, address=address,
-                                  fix=f"rank {peer_rank} probably died while starting; see its log")
-        sock.sendall(HELLO.pack(HELLO_MAGIC, my_rank, ring_id, _mac(token, my_rank, bytes(nonce), ring_id)))
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
         return cls(sock, peer_rank, my_rank, describe(peer_rank) if describe is not None else address, address)
 
     def _fail(self, e: OSError) -> PeerLostError:
