@@ -117,3 +117,13 @@ def test_bad_values_name_the_problem(env, match):
 
 def test_split_host_port_ipv6():
     assert split_host_port("[::1]:80") == ("::1", 80)
+
+
+def test_slurm_steps_of_one_allocation_meet_on_their_own_first_node_and_port():
+    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "500"}
+    a = resolve_cluster(environ=dict(base, SLURM_STEP_ID="0", SLURM_STEP_NODELIST="n[1-2]"))
+    b = resolve_cluster(environ=dict(base, SLURM_STEP_ID="1", SLURM_STEP_NODELIST="n[3-4]"))
+    c = resolve_cluster(environ=dict(base, SLURM_STEP_ID="2", SLURM_STEP_NODELIST="n[1-2]"))
+    assert (a.coordinator, b.coordinator, c.coordinator) == ("n1:29900", "n3:29901", "n1:29902")
+    batch = resolve_cluster(environ=dict(base, SLURM_STEP_ID="batch"))  # the batch script itself
+    assert batch.coordinator == "n1:29900"

@@ -7,7 +7,8 @@ Sources, first match wins (each field given explicitly always overrides):
 3. ``TF_CONFIG`` (Kubernetes / Kubeflow TFJob): ranks are chief first, then workers in order; the
    chief (or worker 0) hosts the coordinator on its own cluster-spec address;
 4. Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``): coordinator on the first host of
-   ``SLURM_JOB_NODELIST``, port ``TFCS_COORDINATOR_PORT`` or ``29400 + SLURM_JOB_ID % 1000``;
+   the step (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``), port ``TFCS_COORDINATOR_PORT`` or
+   ``29400 + (SLURM_JOB_ID + SLURM_STEP_ID) % 1000``;
 5. Open MPI (``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``): coordinator from ``TFCS_COORDINATOR``
    or ``MASTER_ADDR``/``MASTER_PORT`` (mpirun knows no host to use);
 6. torchrun style ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
@@ -168,14 +169,18 @@ def _from_slurm(env):
     if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return None
     coord = None
-    if env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"):
-        host = first_slurm_host(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"])
+    # rank 0 runs on the first node of its job step, which need not be the allocation's first node
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if nodes:
+        host = first_slurm_host(nodes)
         if env.get("TFCS_COORDINATOR_PORT"):
             port = _int(env, "TFCS_COORDINATOR_PORT")
         elif env.get("MASTER_PORT"):
             port = _int(env, "MASTER_PORT")
-        else:
-            port = DEFAULT_SLURM_BASE_PORT + (_int(env, "SLURM_JOB_ID") % 1000 if env.get("SLURM_JOB_ID") else 0)
+        else:  # steps of one allocation running at once get different ports
+            job = _int(env, "SLURM_JOB_ID") if env.get("SLURM_JOB_ID") else 0
+            step = _int(env, "SLURM_STEP_ID") if env.get("SLURM_STEP_ID", "").isdigit() else 0
+            port = DEFAULT_SLURM_BASE_PORT + (job + step) % 1000
         coord = f"{host}:{port}"
     local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else None
     return _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), local, coord, "Slurm"
