@@ -254,3 +254,25 @@ def test_after_a_failure_no_rank_waits_in_the_shutdown_barrier():
     res = run_workers(_shutdown_after_a_failure, 2, timeout=120)
     for rank, (_, barrier_warnings) in enumerate(res):
         assert barrier_warnings == [], (rank, barrier_warnings)  # it would wait its 30 s out, then warn
+
+
+def _two_claim_rank_one(rank, size):
+    import tf_commstrategy as tfcs
+    coordinator = os.environ["TFCS_COORDINATOR"]
+    for name in ("TFCS_RANK", "TFCS_WORLD_SIZE", "TFCS_LOCAL_RANK", "TFCS_COORDINATOR"):
+        os.environ.pop(name, None)
+    if rank == 2:
+        time.sleep(2)  # after the real rank 1 has claimed
+    try:
+        tfcs.init(rank=min(rank, 1), world_size=2, coordinator=coordinator, rendezvous_timeout=20)
+    except tfcs.RendezvousError as e:
+        return str(e)
+    out = tfcs.allreduce(np.array([1.0])).tolist()
+    time.sleep(6)  # the job is still running when the intruder arrives
+    return out
+
+
+def test_a_second_worker_claiming_a_rank_is_refused_and_told_why():
+    ok0, ok1, refused = run_workers(_two_claim_rank_one, 3, timeout=90)
+    assert ok0 == ok1 == [2.0]
+    assert "rank 1 was claimed by 2 workers" in refused and "its own port" in refused, refused

@@ -199,7 +199,9 @@ def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Opt
         if claims != 1:
             raise RendezvousError(f"rank {spec.rank} was claimed by {claims} workers", rank=spec.rank,
                                   address=spec.coordinator,
-                                  fix="give every worker a distinct rank (check TFCS_RANK / the launcher)")
+                                  fix="give every worker a distinct rank (check TFCS_RANK / the launcher); if the "
+                                      "ranks are distinct, another job (or an earlier init still shutting down) "
+                                      f"uses the coordinator at {spec.coordinator}: give this job its own port")
         store.set(f"worker/{spec.rank}", json.dumps(dataclasses.asdict(me)))
         workers = _gather_workers(store, spec, timeout, end)
         store.barrier("rendezvous", spec.world_size, max(1.0, end - time.monotonic()))
