@@ -118,14 +118,22 @@ def test_stale_segments_of_dead_creators_are_removed():
     import subprocess
     p = subprocess.Popen(["true"])
     p.wait()
-    dead = os.path.join(S.SHM_DIR, f"{S.PREFIX}{p.pid}-ring-deadbeef")
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    dead = os.path.join(S.SHM_DIR, f"{S.PREFIX}{p.pid}-ring-deadbeef.{ns}")
+    older = os.path.join(S.SHM_DIR, f"{S.PREFIX}{p.pid}-bell-deadbeef")  # named before namespaces were
+    # a dead pid here may be a live process in another container sharing /dev/shm: left alone
+    foreign = os.path.join(S.SHM_DIR, f"{S.PREFIX}{p.pid}-ring-deadbeef.{ns + 1}")
     alive = S.Segment.create(4096, "ring")
-    open(dead, "w").close()
+    for path in (dead, older, foreign):
+        open(path, "w").close()
     try:
-        assert S.remove_stale_segments() >= 1
-        assert not os.path.exists(dead) and os.path.exists(alive.path)
+        assert S.remove_stale_segments() >= 2
+        assert not os.path.exists(dead) and not os.path.exists(older)
+        assert os.path.exists(alive.path) and os.path.exists(foreign)
+        assert alive.path.endswith(f".{ns}")
     finally:
         alive.unlink()
         alive.close()
-        if os.path.exists(dead):
-            os.unlink(dead)
+        for path in (dead, older, foreign):
+            if os.path.exists(path):
+                os.unlink(path)

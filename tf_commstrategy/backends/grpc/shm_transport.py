@@ -157,18 +157,35 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def _pid_namespace() -> str:
+    """The inode of this process's pid namespace ("" where unknown): a segment's name carries its
+    creator's, since /dev/shm may be shared by containers whose pids mean different processes."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
 def remove_stale_segments(only_pids=None) -> int:
     """Unlink this user's ``tfcs-shm-*`` segments whose creator is dead (or is in ``only_pids``,
-    a set of pids known dead, e.g. by tfcs-run after its workers exited). Returns how many."""
+    a set of pids known dead, e.g. by tfcs-run after its workers exited). Returns how many.
+
+    Only segments created in this pid namespace are judged: a pid from another one (a container
+    sharing /dev/shm) says nothing about whether its creator is alive.
+    """
     removed = 0
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
+    mine = _pid_namespace()
     for name in names:
         if not name.startswith(PREFIX):
             continue
         try:
+            ns = name.rsplit(".", 1)[1] if "." in name else None
+            if ns is not None and ns != mine:
+                continue
             pid = int(name[len(PREFIX):].split("-", 1)[0])
             path = os.path.join(SHM_DIR, name)
             if os.stat(path).st_uid != os.getuid():
@@ -194,7 +211,7 @@ class Segment:
     @classmethod
     def create(cls, size: int, kind: str) -> "Segment":
         """Raises OSError (e.g. ENOSPC when /dev/shm is too small)."""
-        name = f"{PREFIX}{os.getpid()}-{kind}-{secrets.token_hex(12)}"
+        name = f"{PREFIX}{os.getpid()}-{kind}-{secrets.token_hex(12)}.{_pid_namespace() or 0}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
