@@ -178,6 +178,25 @@ def test_host_argument_beats_an_inherited_bind_host(tmp_path):
     assert r.returncode == 0 and r.stdout.split() == ["10.9.9.9"], (r.stdout, r.stderr)
 
 
+def _has_ipv6_loopback():
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_an_ipv6_coordinator_and_data_path(transport):
+    r = _run(["-np", "2", "--host", "::1", "--transport", transport, sys.executable, "examples/collective_demo.py"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(l[:4] for l in r.stdout.strip().splitlines()) == ["[0] ", "[1] "]
+    assert all("sum=[3.0, 3.0, 3.0, 3.0]" in l for l in r.stdout.strip().splitlines())
+
+
 def test_usage_errors():
     r = _run(["-np", "2"])
     assert r.returncode == 2 and "no command" in r.stderr

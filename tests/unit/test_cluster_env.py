@@ -3,7 +3,7 @@ import json
 import pytest
 
 from tf_commstrategy.errors import ConfigurationError
-from tf_commstrategy.rendezvous.cluster_env import first_slurm_host, resolve_cluster, split_host_port
+from tf_commstrategy.rendezvous.cluster_env import first_slurm_host, join_host_port, resolve_cluster, split_host_port
 
 
 def test_nothing_set_is_a_single_process():
@@ -127,3 +127,16 @@ def test_slurm_steps_of_one_allocation_meet_on_their_own_first_node_and_port():
     assert (a.coordinator, b.coordinator, c.coordinator) == ("n1:29900", "n3:29901", "n1:29902")
     batch = resolve_cluster(environ=dict(base, SLURM_STEP_ID="batch"))  # the batch script itself
     assert batch.coordinator == "n1:29900"
+
+
+def test_join_host_port_brackets_ipv6_and_round_trips():
+    for host in ("10.0.0.1", "node7", "::1", "fe80::1"):
+        assert split_host_port(join_host_port(host, 29400)) == (host, 29400)
+    assert join_host_port("::1", 80) == "[::1]:80" and join_host_port("h", 80) == "h:80"
+
+
+def test_default_bind_and_advertise_hosts_follow_the_coordinators_family():
+    from tf_commstrategy.rendezvous.rendezvous import default_advertise_host, default_bind_host
+    assert (default_bind_host("127.0.0.1"), default_bind_host("::1")) == ("127.0.0.1", "::1")
+    assert (default_bind_host("10.0.0.1"), default_bind_host("fd00::5")) == ("0.0.0.0", "::")
+    assert (default_advertise_host("localhost"), default_advertise_host("::1")) == ("127.0.0.1", "::1")

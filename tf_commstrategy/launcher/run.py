@@ -205,7 +205,7 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
     """Start the workers once and wait for them; returns the job's exit code."""
     host = args.host or "127.0.0.1"
     port = args.port or _free_port(host)
-    coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # as join_host_port (no import here)
     lock = threading.Lock()
     procs, pumps = [], []
     job = Job(procs)

@@ -99,6 +99,19 @@ def split_host_port(address: str):
     return m.group(1), port
 
 
+def join_host_port(host: str, port: int) -> str:
+    """(host, port) -> 'host:port', with an IPv6 address in brackets ('[::1]:80').
+
+    Args:
+      host: a hostname, IPv4 or IPv6 address.
+      port: the port.
+
+    Returns:
+      The address text that ``split_host_port`` and gRPC read back.
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def first_slurm_host(nodelist: str) -> str:
     """First host of a Slurm nodelist: 'gpu[03-05,9],cpu1' -> 'gpu03'.
 
@@ -181,7 +194,7 @@ def _from_slurm(env):
             job = _int(env, "SLURM_JOB_ID") if env.get("SLURM_JOB_ID") else 0
             step = _int(env, "SLURM_STEP_ID") if env.get("SLURM_STEP_ID", "").isdigit() else 0
             port = DEFAULT_SLURM_BASE_PORT + (job + step) % 1000
-        coord = f"{host}:{port}"
+        coord = join_host_port(host, port)
     local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else None
     return _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), local, coord, "Slurm"
 

@@ -16,7 +16,7 @@ import time
 from typing import List, Optional
 
 from ..errors import RendezvousError
-from .cluster_env import ClusterSpec, split_host_port
+from .cluster_env import ClusterSpec, join_host_port, split_host_port
 from .coordinator import CoordinatorClient, CoordinatorServer
 
 
@@ -57,9 +57,12 @@ def default_bind_host(coordinator_host: str) -> str:
       coordinator_host: the coordinator's host.
 
     Returns:
-      "127.0.0.1" or "0.0.0.0".
+      "127.0.0.1" or "0.0.0.0"; "::1" or "::" for an IPv6 coordinator address.
     """
-    return "127.0.0.1" if is_loopback(coordinator_host) else "0.0.0.0"
+    v6 = ":" in coordinator_host
+    if is_loopback(coordinator_host):
+        return "::1" if v6 else "127.0.0.1"
+    return "::" if v6 else "0.0.0.0"
 
 
 def default_advertise_host(coordinator_host: str) -> str:
@@ -71,11 +74,11 @@ def default_advertise_host(coordinator_host: str) -> str:
       coordinator_host: the coordinator's host.
 
     Returns:
-      "127.0.0.1" for a loopback coordinator, else this host's address on the route to it (the
+      "127.0.0.1" ("::1") for a loopback coordinator, else this host's address on the route to it (the
       hostname if that cannot be found).
     """
     if is_loopback(coordinator_host):
-        return "127.0.0.1"
+        return "::1" if ":" in coordinator_host else "127.0.0.1"
     try:
         infos = socket.getaddrinfo(coordinator_host, 9, type=socket.SOCK_DGRAM)
         family, _, _, _, addr = infos[0]
@@ -189,7 +192,7 @@ def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Opt
     server = None
     if spec.rank == 0:
         bind = bind_host or default_bind_host(host)
-        server = CoordinatorServer(f"{bind}:{port}" if ":" not in bind else f"[{bind}]:{port}",
+        server = CoordinatorServer(join_host_port(bind, port),
                                    spec.world_size, token, tls=tls)
     end = time.monotonic() + timeout  # one deadline for the whole meeting, however the workers trickle in
     store = CoordinatorClient(spec.coordinator, spec.rank, token, tls=tls)

@@ -15,6 +15,7 @@ from ...core import ring
 from ...core.backend import Backend, register_backend
 from ...core.reduce_ops import ReduceOp, finish_mean, needs_wide_accumulator
 from ...core.spans import Spans
+from ...rendezvous.cluster_env import join_host_port
 from ...errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                        PeerLostError, TfcsError, UnsupportedOperationError)
 from . import links, liveness, shm_fusion, shm_transport, socket_transport, transport, wire
@@ -168,9 +169,9 @@ class GrpcRingBackend(Backend):
     # -- setup -----------------------------------------------------------------------------------
     def _connect(self) -> None:
         g = self.group
-        self._server = transport.DataServer(self.rank, self.size, f"{g.bind_host}:0", g.token,
+        self._server = transport.DataServer(self.rank, self.size, join_host_port(g.bind_host, 0), g.token,
                                             self.mailbox, self.describe, progress=self._progress, tls=g.tls)
-        me = f"{g.advertise_host}:{self._server.port}"
+        me = join_host_port(g.advertise_host, self._server.port)
         g.store.set(f"grpc/addr/{self.rank}", me)
         # The data path to each ring neighbour: shared memory (else unix sockets) on one host, grpc (or
         # opt-in tcp) between hosts. Decided from the rendezvous' worker facts only, so every rank
@@ -224,7 +225,7 @@ class GrpcRingBackend(Backend):
             g = self.group
             srv = socket_transport.SocketServer(self.rank, self.size, kind, g.bind_host, g.token, self.describe)
             self._socket_servers[kind] = srv
-            g.store.set(f"sock/{kind}/{self.rank}", srv.address or f"{g.advertise_host}:{srv.port}")
+            g.store.set(f"sock/{kind}/{self.rank}", srv.address or join_host_port(g.advertise_host, srv.port))
         return srv
 
     def address_of(self, rank: int) -> str:
