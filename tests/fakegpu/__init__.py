@@ -108,6 +108,12 @@ _state = {"hung": False, "depth": 0, "queue": []}
 
 class NcclCommunicator:
     def __init__(self, ndev, uid, rank):
+        # as cupy's ``__init__(self, int ndev, tuple commId, int rank)`` fills a C ``char[128]`` (x86: signed)
+        if not isinstance(uid, tuple):
+            raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got {type(uid).__name__})")
+        if len(uid) != 128 or any(not -128 <= c <= 127 for c in uid):
+            raise OverflowError("value too large to convert to char")
+        uid = np.array(uid, dtype=np.int8).tobytes()
         from tf_commstrategy.process import default_group
         self._grpc = default_group().backend("grpc")
         self._rank, self._size = rank, ndev
@@ -204,7 +210,8 @@ def install():
         setattr(nccl, name, value)
     nccl.available = True
     nccl.NcclCommunicator, nccl.NcclError = NcclCommunicator, NcclError
-    nccl.get_unique_id = lambda: os.urandom(128)
+    # cupy returns the id as a tuple of C char values: signed on x86, so bytes >= 128 come out negative
+    nccl.get_unique_id = lambda: tuple(np.frombuffer(os.urandom(128), dtype=np.int8).tolist())
     nccl.get_version = lambda: 99999
     nccl.groupStart, nccl.groupEnd = _group_start, _group_end
     cupy.cuda, cupy.ndarray = cuda, ndarray

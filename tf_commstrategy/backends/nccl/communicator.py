@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Callable, List, Optional
 
+import numpy as np
+
 from ...errors import CollectiveError, CollectiveTimeoutError, RendezvousError, TfcsError
 
 POLL_MAX_S = 1e-3
@@ -49,7 +51,7 @@ def exchange_unique_id(store, rank: int, generation: int, timeout: float, make_i
     """
     key = f"nccl/uid/{generation}"
     if rank == 0:
-        uid = bytes(make_id())
+        uid = bytes(c & 0xFF for c in make_id())  # cupy gives C char values: negative where char is signed
         store.set(key, base64.b64encode(uid).decode("ascii"))
         return uid
     try:
@@ -64,6 +66,19 @@ def exchange_unique_id(store, rank: int, generation: int, timeout: float, make_i
         raise RendezvousError(f"the NCCL unique id in the store has {len(uid)} bytes, expected 128",
                               rank=rank, fix="every rank must run the same tf_commstrategy version")
     return uid
+
+
+def comm_id(uid: bytes, signed: bool = True) -> tuple:
+    """The id as cupy's ``NcclCommunicator`` takes it: a tuple of 128 C ``char`` values.
+
+    Args:
+      uid: the id's 128 bytes.
+      signed: whether this platform's ``char`` is signed (x86; Arm and POWER have it unsigned).
+
+    Returns:
+      128 ints in -128..127 (``signed``) or 0..255.
+    """
+    return tuple(np.frombuffer(uid, dtype=np.int8 if signed else np.uint8).tolist())
 
 
 def prefer_eager_connect(environ=None) -> None:
@@ -121,7 +136,10 @@ class Communicator:
         def init():
             try:
                 with cupy.cuda.Device(device_id):
-                    box["comm"] = nccl.NcclCommunicator(size, uid, rank)
+                    try:
+                        box["comm"] = nccl.NcclCommunicator(size, comm_id(uid), rank)
+                    except OverflowError:  # this platform's char is unsigned: cupy refused the negative values
+                        box["comm"] = nccl.NcclCommunicator(size, comm_id(uid, signed=False), rank)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 box["error"] = e
 
