@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import re
 
 log = logging.getLogger("tf_commstrategy")
 _announced = set()
+_DEVICE_TYPE = re.compile(r"(?:^|/)(?:device:)?(?!task:|replica:)([A-Za-z_]+):\d+$", re.IGNORECASE)
 
 
 def is_device_array(buf) -> bool:
@@ -25,7 +27,14 @@ def is_gpu_buffer(buf) -> bool:
     if is_device_array(buf):
         return True
     dev = getattr(buf, "device", None)  # a tf.Tensor's device string, e.g. '/job:.../device:GPU:0'
-    return isinstance(dev, str) and "GPU" in dev.upper()
+    return isinstance(dev, str) and device_type(dev) == "GPU"
+
+
+def device_type(device: str) -> str:
+    """The device type of a TF device string: '/job:gpu_workers/replica:0/task:1/device:CPU:0' -> 'CPU'
+    (not the job's name), 'GPU:0' -> 'GPU', '/gpu:1' -> 'GPU'; '' when the string names none."""
+    m = _DEVICE_TYPE.search(device)
+    return m.group(1).upper() if m else ""
 
 
 def choose(group, buf) -> str:
