@@ -227,6 +227,8 @@ def install():
     cupy.moveaxis = lambda a, s, d: np.moveaxis(a, s, d).view(ndarray)
     cupy.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)
     cupy.from_dlpack = lambda x: _wrap(np.from_dlpack(x))
+    cupy.where = lambda c, a, b: _wrap(np.where(np.asarray(c), np.asarray(a), np.asarray(b)))
+    cupy.isnan = lambda a: np.isnan(np.asarray(a))
     # what tests/gpu uses beyond the backend (its dry run on this fake: TFCS_GPU_DRYRUN=1)
     cupy.__version__ = "fake"
     cupy.arange = lambda *a, dtype=None: _wrap(np.arange(*a, dtype=dtype))

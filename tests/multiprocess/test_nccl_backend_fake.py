@@ -165,6 +165,32 @@ def test_an_asynchronous_nccl_error_becomes_a_typed_error_on_every_rank():
     assert any("injected asynchronous error" in out[r][1][1] for r in (0, 1))
 
 
+def w_oom(rank, size):
+    cupy, tfcs, fake = _setup()
+    x = cupy.asarray(np.ones(3, np.float32))
+    tfcs.allreduce(x, backend="nccl", timeout=30)  # the communicator exists
+    if rank == 1:  # the next result cannot be allocated here (cupy's OutOfMemoryError is a MemoryError)
+        def oom(*a, **k):
+            raise MemoryError("Out of memory allocating 12 bytes (injected)")
+        cupy.empty = oom
+    out = []
+    for _ in range(2):
+        try:
+            tfcs.allreduce(x, backend="nccl", timeout=30)
+            out.append("no error")
+        except tfcs.TfcsError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_any_error_before_nccl_runs_fails_the_backend_and_tells_the_peers():
+    (first0, _), (first1, after1) = run_workers(w_oom, 2, timeout=90)
+    assert first1.startswith("CollectiveError") and "MemoryError" in first1 and "injected" in first1, first1
+    assert "unusable" in after1, after1  # not paired with the peers' next collective
+    # the peer hears of it over the control plane at once, instead of waiting out its 30 s deadline
+    assert first0.startswith("CollectiveAbortedError") and "rank 1" in first0, first0
+
+
 def w_absent(rank, size):
     import time
     cupy, tfcs, fake = _setup()

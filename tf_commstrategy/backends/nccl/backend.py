@@ -42,13 +42,29 @@ def signature_hash(sig: str, seq: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
+def bf16_bits_from_f32(f32, xp):
+    """bfloat16 bits (uint16) of float32 values, rounded to nearest even; a NaN stays a (quiet) NaN.
+
+    Args:
+      f32: float32 array.
+      xp: its array module (cupy; numpy in tests).
+
+    Returns:
+      A uint16 array of the same shape.
+    """
+    bits = f32.view(xp.uint32)
+    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16
+    # rounding a NaN whose low 16 bits are set (CUDA's canonical NaN is 0x7FFFFFFF) would carry into
+    # the sign and exponent: 0x7FFFFFFF -> 0x8000 (-0.0). Keep it a NaN, with its sign.
+    nan = ((bits >> 16) & xp.uint32(0x8000)) | xp.uint32(0x7FC0)
+    return xp.where(xp.isnan(f32), nan, rounded).astype(xp.uint16)
+
+
 def _bf16_divide(u16, divisor: int) -> None:
     """In place: bfloat16 bits in a uint16 cupy array divided by ``divisor`` (round to nearest even)."""
     import cupy
     f32 = (u16.astype(cupy.uint32) << 16).view(cupy.float32) / cupy.float32(divisor)
-    bits = f32.view(cupy.uint32)
-    rounded = (bits + cupy.uint32(0x7FFF) + ((bits >> 16) & cupy.uint32(1))) >> 16
-    u16[...] = rounded.astype(cupy.uint16)
+    u16[...] = bf16_bits_from_f32(f32, cupy)
 
 
 def finish_mean(buf: bufmod.DeviceBuffer, world: int) -> None:
@@ -134,6 +150,13 @@ class NcclBackend(Backend):
                                       fix="NCCL_DEBUG=WARN prints NCCL's own diagnosis")
                 self._fail(err)
                 raise err from e
+            except Exception as e:  # out of GPU memory, a size cupy cannot pass, ...: the peers may have
+                # queued this collective already; this rank must not go on to pair its next one with it
+                err = CollectiveError(f"collective #{seq} [{sig}] failed on this rank before NCCL ran it: "
+                                      f"{type(e).__name__}: {e}", rank=self.rank, seq=seq,
+                                      fix="see the cause above; the job must be restarted (tfcs-run --max-restarts)")
+                self._fail(err)
+                raise err from e
             finally:
                 self._busy_s += time.monotonic() - t0
 
@@ -153,11 +176,12 @@ class NcclBackend(Backend):
         store.set(f"{key}/{self.rank}", sig)
         mine = signature_hash(sig, seq)
         other, theirs = None, "(unknown: it did not report its call in time)"
+        end = time.monotonic() + 5.0  # for all the peers together, however many stay silent
         for r in range(self.size):
             if r == self.rank or (hashes and hashes[r] == mine):
                 continue
             try:
-                text = store.get(f"{key}/{r}", 5.0)
+                text = store.get(f"{key}/{r}", max(0.05, end - time.monotonic()))
             except Exception:
                 if other is None:
                     other = r

@@ -1,4 +1,5 @@
-"""The NCCL unique id between cupy's form (a tuple of C char values) and the store (base64 of bytes)."""
+"""Host-side logic of the nccl backend: the unique id between cupy (a tuple of C char values) and the store,
+and the bfloat16 rounding of a mean (run on numpy here; on cupy on a GPU)."""
 
 import numpy as np
 import pytest
@@ -39,3 +40,18 @@ def test_a_missing_or_malformed_id_is_a_rendezvous_error():
     store.set("nccl/uid/0", "AAAA")
     with pytest.raises(RendezvousError, match="expected 128"):
         exchange_unique_id(store, 1, 0, 0.1, lambda: None)
+
+
+def test_bfloat16_rounding_keeps_nans_and_matches_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from tf_commstrategy.backends.nccl.backend import bf16_bits_from_f32
+    # CUDA's canonical NaN (0x7FFFFFFF) and other NaNs with low bits set carried into sign/exponent before
+    nans = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F80FFFF], np.uint32).view(np.float32)
+    got = bf16_bits_from_f32(nans, np).view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.isnan(got).all()
+    assert list(np.signbit(got)) == [False, True, False, False]
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 1e3, np.float32([0, -0.0, np.inf, -np.inf,
+                                                                                         3.4e38, 1e-40])])
+    want = x.astype(ml_dtypes.bfloat16).view(np.uint16)  # round to nearest even
+    np.testing.assert_array_equal(bf16_bits_from_f32(x, np), want)
