@@ -203,3 +203,39 @@ def test_transport_from_strategy_options_and_per_call_check():
     for used, value, other in run_workers(_per_call_transport, 2, timeout=120):
         assert used == "unix" and value == 3.0
         assert "transport" in other and "when the job started" in other
+
+
+def _nccl_default_on_host(rank, size, how):
+    import os
+    if how == "env":
+        os.environ["TFCS_BACKEND"] = "nccl"
+    tf, tfcs = _setup()
+    import tf_keras as keras
+    if how == "backend":
+        strategy = tfcs.CommStrategy(backend="nccl")
+    elif how == "options":  # what MultiWorkerMirroredStrategy users write
+        strategy = tfcs.CommStrategy(communication_options=tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.NCCL))
+    else:
+        strategy = tfcs.CommStrategy()
+    x = np.random.default_rng(rank).standard_normal((96, 4)).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(16)  # finite: TF reduces partial-batch counts
+    with strategy.scope():
+        m = keras.Sequential([keras.layers.Dense(1, input_shape=(4,))])
+        m.compile(optimizer="sgd", loss="mse")
+    h = m.fit(ds, epochs=2, verbose=0)
+    # a host tensor with nccl named on the call itself is refused, with the fix
+    try:
+        strategy.extended.reduce_to("SUM", tf.constant([1.0]), "/cpu:0", options=tfcs.CommOptions(backend="nccl"))
+        refused = "no error"
+    except tfcs.TfcsError as e:
+        refused = type(e).__name__
+    return len(h.history["loss"]), m.get_weights()[0].ravel().tolist(), refused
+
+
+@pytest.mark.parametrize("how", ["backend", "options", "env"])
+def test_nccl_as_the_default_leaves_host_tensors_to_the_ring(how):
+    (n0, w0, refused0), (n1, w1, refused1) = run_workers(_nccl_default_on_host, 2, how, timeout=240)
+    assert n0 == n1 == 2 and w0 == w1  # trained in sync, through the ring
+    # no GPU here: nccl named on the call is refused (no cupy: BackendUnavailableError)
+    assert refused0 in ("BackendUnavailableError", "UnsupportedOperationError"), refused0

@@ -18,7 +18,7 @@ Public methods validate (TF's ``CrossDeviceOps``), ``*_implementation`` methods 
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -121,8 +121,13 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
                     "tfcs-run --transport")
         return merged
 
-    def _backend_name(self, options):
-        return opts.choose_backend(options, self._ext._backend_name, self._ext._communication_options)
+    def _backend_name(self, options) -> "opts.BackendChoice":
+        return opts.BackendChoice(opts.choose_backend(options, self._ext._backend_name,
+                                                      self._ext._communication_options),
+                                  explicit=opts.backend_of(options) is not None)
+
+    def _backend_for(self, choice: "opts.BackendChoice", tensors) -> Optional[str]:
+        return choice.for_tensors(tensors, self._ext._group.default_backend)
 
     # -- reduce ------------------------------------------------------------------------------------
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
@@ -199,6 +204,7 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         ``allreduce_many`` reads and writes them where they are); measured slower, so off.
         """
         from .device_path import use_device_path
+        backend = self._backend_for(backend, tensors)
         timeout = merged.timeout_seconds
         groups = fusion_groups([t.dtype for t in tensors], [_static_nbytes(t) for t in tensors],
                                merged.bytes_per_pack)
@@ -285,6 +291,7 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         return distribute_utils.regroup(out, wrap_class=value_lib.Mirrored)
 
     def _allgather_many(self, tensors, merged, backend, axis=0):
+        backend = self._backend_for(backend, tensors)
         timeout = merged.timeout_seconds
 
         def call(b, arrs):

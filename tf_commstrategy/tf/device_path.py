@@ -30,8 +30,9 @@ from ..process import default_group
 
 
 def on_gpu(t) -> bool:
-    """True when the tensor's device string names a GPU (unknown placement counts as not)."""
-    return "GPU" in (getattr(t, "device", "") or "").upper()
+    """True when the tensor's device type is GPU (unknown placement counts as not)."""
+    from ..core.auto import device_type
+    return device_type(getattr(t, "device", "") or "") == "GPU"
 
 
 def use_device_path(backend: Optional[str], tensors: Sequence) -> bool:

@@ -12,6 +12,7 @@ default (``CommStrategy(backend=...)``, then its ``communication_options``) > ``
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Optional
 
 from tensorflow.python.distribute import collective_util
@@ -105,6 +106,39 @@ def choose_backend(per_call, strategy_backend: Optional[str], strategy_options) 
       A backend name, or None for the process group's default.
     """
     return backend_of(per_call) or strategy_backend or backend_of(strategy_options)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+    """The backend one call asked for, and whether its own options named it.
+
+    nccl moves GPU tensors only. As in TF's ``MultiWorkerMirroredStrategy`` with
+    ``implementation=NCCL``, nccl chosen as a *default* (``CommStrategy(backend="nccl")``, the
+    strategy's options, ``TFCS_BACKEND``) leaves host tensors to the ring: TF itself reduces CPU
+    tensors through the strategy (the partial-batch counts of a finite dataset, say). Named by the
+    call's own options, nccl on host tensors is refused with the fix.
+
+    Attributes:
+      name: the backend name, or None for the process group's default.
+      explicit: named by this call's options.
+    """
+    name: Optional[str]
+    explicit: bool
+
+    def for_tensors(self, tensors, group_default: str) -> Optional[str]:
+        """The backend for these tensors: the choice, or "grpc" for host tensors under a default nccl.
+
+        Args:
+          tensors: the call's tensors.
+          group_default: the process group's default backend.
+
+        Returns:
+          A backend name, or None for the process group's default.
+        """
+        from .device_path import on_gpu
+        if not self.explicit and (self.name or group_default) == "nccl" and not all(on_gpu(t) for t in tensors):
+            return "grpc"
+        return self.name
 
 
 def merge(default: Optional[collective_util.Options], per_call) -> collective_util.Options:

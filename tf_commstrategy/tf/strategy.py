@@ -33,6 +33,7 @@ from tensorflow.python.trackable import base as trackable_base
 from .. import process
 from ..core.backend import normalize_backend_name
 from . import input_path, keras_compat, tensor_ops, threads
+from . import options as opts
 from .cross_device_ops import CommCrossDeviceOps
 
 
@@ -186,7 +187,13 @@ class CommExtended(mirrored_strategy.MirroredExtended):
                 value = tf.convert_to_tensor(value, dtype=dtype)
                 if not _broadcastable(value.dtype):
                     return value
-                return tf.identity(tensor_ops.broadcast(value, 0))
+                # the strategy's backend and deadline, as for its other collectives (host values under a
+                # default nccl take the ring)
+                choice = opts.BackendChoice(opts.choose_backend(None, self._backend_name,
+                                                                self._communication_options), explicit=False)
+                backend = choice.for_tensors([value], self._group.default_backend)
+                timeout = getattr(self._communication_options, "timeout_seconds", None)
+                return tf.identity(tensor_ops.broadcast(value, 0, backend=backend, timeout=timeout))
         return initial_value_fn
 
     # -- metric reads: one fused reduction for all of them -------------------------------------------
