@@ -68,6 +68,19 @@ def _ctl(rank, size):
     dfn = strategy.distribute_datasets_from_function(dataset_fn)
     first = next(iter(dfn))
     out["dfn_first"] = strategy.gather(first, axis=0).numpy().tolist()
+    # MEAN of values that are not per-replica: one value per worker, so the mean over the workers
+    mine = tf.constant([float(rank + 1)])
+    out["mean_plain"] = float(strategy.reduce(tf.distribute.ReduceOp.MEAN, mine, axis=None).numpy()[0])
+    out["mean_batch"] = [float(t.numpy()[0]) for t in strategy.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.MEAN, [(mine, "/cpu:0"), (mine * 10, "/cpu:0")])]
+    const = tf.constant(4.0)
+    rc = tf.function(lambda: strategy.run(
+        lambda: tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, const)))()
+    out["mean_replica_ctx"] = [float(x) for x in strategy.experimental_local_results(rc)]
+    with strategy.scope():  # a MEAN-aggregated variable: every replica adds 1, the mean adds 1
+        m = tf.Variable(0.0, aggregation=tf.VariableAggregation.MEAN)
+    tf.function(lambda: strategy.run(lambda: m.assign_add(1.0)))()
+    out["mean_variable"] = float(m.numpy())
     return out
 
 
@@ -93,6 +106,10 @@ def test_custom_training_loop_primitives_cross_workers():
     assert out["ctl_v"] == pytest.approx(v, rel=1e-5)
     # each worker's pipeline is its own shard: together the first global batch holds all 8 elements
     assert sorted(out["dfn_first"]) == list(range(8))
+    assert out["mean_plain"] == pytest.approx(1.5)  # (1 + 2) / 2 workers, not / 4 replicas
+    assert out["mean_batch"] == pytest.approx([1.5, 15.0])
+    assert out["mean_replica_ctx"] == [4.0] * local  # tf.distribute.MirroredStrategy gives 4.0 too
+    assert out["mean_variable"] == pytest.approx(1.0)
 
 
 def _direct_tensors(rank, size):

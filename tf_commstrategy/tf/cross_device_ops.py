@@ -162,7 +162,10 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         """
         merged = self._options(options)
         backend = self._backend_name(options)
-        n_global = self._ext._num_replicas_in_sync if not local_only else len(self._ext.worker_devices)
+        workers = 1 if local_only else self._ext._num_workers
+
+        def count(v):  # how many values a MEAN averages: this value's components on every worker (a plain
+            return len(_values(v)) * workers  # tensor is one per worker, not one per replica)
         is_sparse = [isinstance(_values(v)[0], indexed_slices.IndexedSlices) for v, _ in value_destination_pairs]
         dense_idx = [i for i, sparse in enumerate(is_sparse) if not sparse]
         sparse_idx = [i for i, sparse in enumerate(is_sparse) if sparse]
@@ -172,21 +175,22 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         if local_sums:
             mean = reduce_op == reduce_util.ReduceOp.MEAN
             divide = mean
+            counts = [count(value_destination_pairs[i][0]) for i in dense_idx]
             if self._ext._num_workers > 1 and not local_only:
-                # one replica per worker: the collective's own MEAN divides by the world size (each rank
+                # one value per worker: the collective's own MEAN divides by the world size (each rank
                 # its own segment, before the all-gather), so no division op per tensor follows
-                folded = mean and n_global == self._ext._num_workers
+                folded = mean and all(c == self._ext._num_workers for c in counts)
                 reduced = self._cross_worker_reduce(local_sums, merged, backend, mean=folded)
                 divide = mean and not folded
             else:
                 reduced = local_sums
-            for i, r in zip(dense_idx, reduced):
+            for i, r, c in zip(dense_idx, reduced, counts):
                 if divide:
-                    r = self._divide(r, n_global)
+                    r = self._divide(r, c)
                 results[i] = self._to_destinations(r, value_destination_pairs[i][1])
         for i in sparse_idx:
             v, dest = value_destination_pairs[i]
-            results[i] = self._reduce_sparse(reduce_op, v, dest, merged, backend, n_global, local_only)
+            results[i] = self._reduce_sparse(reduce_op, v, dest, merged, backend, count(v), local_only)
         return results
 
     def _local_sum(self, value):
