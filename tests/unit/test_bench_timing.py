@@ -66,3 +66,28 @@ def test_busy_works_instead_of_sleeping(clock, monkeypatch):
 def test_iterations_count_the_gap():
     assert workers.iterations(8, 1.0) > workers.iterations(8, 1.0, gap_s=0.01) >= 5
     assert workers.iterations(8, 1.0, gap_s=0.01) == pytest.approx(1.0 / (2e-4 + 8 / 5e8 + 0.01), abs=1)
+
+
+def test_prepare_runs_before_every_call_and_is_not_timed(clock):
+    order = []
+
+    def prepare():  # restoring an in-place call's input: 2 ms of the fake clock, never in the figure
+        order.append("prepare")
+        clock.now += 2e-3
+
+    def call():
+        order.append("call")
+        clock.now += 1e-3
+    times = workers.timed(call, iters=4, warmup=2, prepare=prepare)
+    assert order == ["prepare", "call"] * 6
+    assert times == pytest.approx([1e-3 + TICK] * 4)
+
+
+def test_the_table_takes_each_calls_slowest_rank(tmp_path):
+    import json
+    from tf_commstrategy.bench.cli import slowest_rank
+    rank0 = {"8": [1.0, 5.0, 2.0], "64": [3.0]}
+    (tmp_path / "r1").write_text(json.dumps({"8": [4.0, 1.0, 2.5], "64": [1.0]}))
+    (tmp_path / "r2").write_text(json.dumps({"8": [0.5, 6.0, 1.0]}))
+    got = slowest_rank(rank0, [str(tmp_path / "r1"), str(tmp_path / "r2"), str(tmp_path / "missing")])
+    assert got == {"8": [4.0, 6.0, 2.5], "64": [3.0]}

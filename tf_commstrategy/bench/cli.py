@@ -80,7 +80,32 @@ def run_impl(impl: str, args, sizes: List[int]) -> Dict:
             print(f"tfcs-bench: {impl} failed (exit code {code}); left out of the table", file=sys.stderr)
             return {}
         with open(out) as f:
-            return json.load(f)
+            raw = json.load(f)
+        raw["times"] = slowest_rank(raw["times"], [f"{out}.rank{r}" for r in range(args.np)])
+        return raw
+
+
+def slowest_rank(times: Dict[str, List[float]], rank_files: List[str]) -> Dict[str, List[float]]:
+    """Each call's time on its slowest rank (the call is over when every rank has its result).
+
+    Args:
+      times: rank 0's per-call times by size.
+      rank_files: every rank's times, one JSON file each (missing files are skipped).
+
+    Returns:
+      Per size, the largest time of each call over the ranks.
+    """
+    out = {k: list(v) for k, v in times.items()}
+    for path in rank_files:
+        try:
+            with open(path) as f:
+                theirs = json.load(f)
+        except (OSError, ValueError):
+            continue
+        for k, ts in theirs.items():
+            if k in out and len(ts) == len(out[k]):
+                out[k] = [max(a, b) for a, b in zip(out[k], ts)]
+    return out
 
 
 def summarize(raw: Dict, op: str, n: int) -> Dict[int, Dict[str, float]]:

@@ -4,8 +4,10 @@
 
 Every implementation runs the same schedule: for each size, warm-up calls, then ``iters`` timed
 calls, back to back or ``--gap-ms`` apart (each rank busy in between, as a training step computes
-between its all-reduces; only the calls are timed); rank 0 writes the per-call times (seconds) to
-``--out`` as JSON. The peers:
+between its all-reduces; only the calls are timed). All-reduces run in place on the host (gloo's
+way; tfcs with ``out=``), the input restored before each call outside the timing. Each rank writes
+its per-call times (seconds) to ``--out.rank<r>``, rank 0 also ``--out`` (JSON); the CLI reports
+each call's slowest rank. The peers:
 
 * ``tf-ring``: TensorFlow's MultiWorkerMirroredStrategy with
   ``CommunicationOptions(implementation=RING)``, the all-reduce inside ``strategy.run`` (a
@@ -43,15 +45,20 @@ def busy(seconds: float) -> None:
         hashlib.sha256(_SCRATCH).digest()
 
 
-def timed(call, iters: int, warmup: int = 3, gap_s: float = 0.0):
+def timed(call, iters: int, warmup: int = 3, gap_s: float = 0.0, prepare=None):
     """Per-call wall times (seconds) of ``iters`` calls after ``warmup`` untimed ones: back to back,
-    or with ``busy(gap_s)`` before each (not timed)."""
+    or with ``busy(gap_s)`` before each (not timed). ``prepare()``, when given, runs before each call,
+    untimed: it restores the input an in-place call overwrote."""
     for _ in range(warmup):
+        if prepare is not None:
+            prepare()
         call()
     times = []
     for _ in range(iters):
         if gap_s > 0:
             busy(gap_s)
+        if prepare is not None:
+            prepare()
         t0 = time.perf_counter()
         call()
         times.append(time.perf_counter() - t0)
@@ -77,18 +84,23 @@ def run_tfcs(args, rank, size):
     results = {}
     for nbytes, n, iters in _schedule(args.sizes, args.budget, args.gap_s):
         x = _device_ones(n, rank + 1, tfcs.local_rank()) if on_gpu else np.ones(n, np.float32) * (rank + 1)
+        prepare = None
         if args.op == "allreduce":
-            call = lambda: tfcs.allreduce(x, op="sum")  # noqa: E731
+            check = tfcs.allreduce(x, op="sum")
+            host = check.get() if on_gpu else check  # the nccl backend returns once the GPU is done
+            assert np.all(host == size * (size + 1) / 2), "wrong allreduce result"
+            if on_gpu:  # the nccl backend has no out=
+                call = lambda: tfcs.allreduce(x, op="sum")  # noqa: E731
+            else:  # in place, as gloo's all_reduce: the input restored before each call, untimed
+                y = x.copy()
+                prepare = lambda: np.copyto(y, x)  # noqa: E731
+                call = lambda: tfcs.allreduce(y, op="sum", out=y)  # noqa: E731
         elif args.op == "broadcast":
             call = lambda: tfcs.broadcast(x, root_rank=0)  # noqa: E731
         else:
             xs = x[: max(1, n // size)]
             call = lambda: tfcs.allgather(xs)  # noqa: E731
-        check = call()
-        if args.op == "allreduce":
-            host = check.get() if on_gpu else check  # the nccl backend returns once the GPU is done
-            assert np.all(host == size * (size + 1) / 2), "wrong allreduce result"
-        results[nbytes] = timed(call, iters, gap_s=args.gap_s)
+        results[nbytes] = timed(call, iters, gap_s=args.gap_s, prepare=prepare)
     tfcs.barrier()
     from tf_commstrategy.process import default_group
     stats = {} if on_gpu else default_group().backend("grpc").stats()
@@ -143,17 +155,18 @@ def run_gloo(args, rank, size):
     results = {}
     for nbytes, n, iters in _schedule(args.sizes, args.budget, args.gap_s):
         x = torch.ones(n, dtype=torch.float32) * (rank + 1)
+        y = x.clone()
+        prepare = lambda: y.copy_(x)  # noqa: E731  (untimed: gloo works in place)
         if args.op == "allreduce":
             def call():
-                y = x.clone()
                 dist.all_reduce(y)
                 return y
         elif args.op == "broadcast":
             def call():
-                y = x.clone()
                 dist.broadcast(y, src=0)
                 return y
         else:
+            prepare = None
             m = max(1, n // size)
             outs = [torch.empty(m) for _ in range(size)]
 
@@ -161,8 +174,9 @@ def run_gloo(args, rank, size):
                 dist.all_gather(outs, x[:m])
                 return outs
         if args.op == "allreduce":
+            prepare()
             assert bool((call() == size * (size + 1) / 2).all())
-        results[nbytes] = timed(call, iters, gap_s=args.gap_s)
+        results[nbytes] = timed(call, iters, gap_s=args.gap_s, prepare=prepare)
     dist.barrier()
     dist.destroy_process_group()
     return results, {"torch": torch.__version__}
@@ -185,6 +199,10 @@ def main():
     args.sizes = [int(s) for s in args.sizes.split(",")]
     rank, size = int(os.environ["TFCS_RANK"]), int(os.environ["TFCS_WORLD_SIZE"])
     results, info = IMPLS[args.impl](args, rank, size)
+    # every rank's own times: the CLI reports each call's slowest rank (a root that returns once it has
+    # sent would otherwise make a broadcast look faster than it is)
+    with open(f"{args.out}.rank{rank}", "w") as f:
+        json.dump({str(k): v for k, v in results.items()}, f)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"impl": args.impl, "op": args.op, "world_size": size, "info": info, "gap_ms": args.gap_ms,
