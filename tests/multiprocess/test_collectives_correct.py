@@ -210,12 +210,19 @@ def _out_worker(rank, size):
         bad = "accepted"
     except tfcs.UnsupportedOperationError as e:
         bad = str(e)
-    return report, bad
+    z = np.arange(10.0)
+    try:
+        tfcs.allreduce(z[:-1], out=z[1:])
+        overlap = "accepted"
+    except tfcs.UnsupportedOperationError as e:
+        overlap = str(e)
+    return report, bad, overlap
 
 
 @pytest.mark.parametrize("transport", ["auto", NO_BUFFERS, "unix"])
 def test_allreduce_into_out_and_in_place(transport):
-    for report, bad in run_workers(_out_worker, 3, timeout=120, env=transport_env(transport)):
+    for report, bad, overlap in run_workers(_out_worker, 3, timeout=120, env=transport_env(transport)):
         for n, op, is_out, input_kept, err in report:
             assert is_out and input_kept and err < 1e-12, (n, op, is_out, input_kept, err)
         assert "out= must be" in bad
+        assert "overlaps the input" in overlap, overlap

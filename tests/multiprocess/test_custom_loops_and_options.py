@@ -213,13 +213,22 @@ def _per_call_transport(rank, size):
         other = "accepted"
     except tfcs.ConfigurationError as e:
         other = str(e)
-    return used, float(strategy.experimental_local_results(same)[0].numpy()[0]), other
+    # a strategy whose default is TF's own CommunicationOptions checks a call's CommOptions(transport=) too
+    plain = tfcs.CommStrategy(communication_options=tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=30))
+    try:
+        plain.run(fn, args=(tf.constant([1.0]), tfcs.CommOptions(transport="tcp")))
+        other_plain = "accepted"
+    except tfcs.ConfigurationError as e:
+        other_plain = str(e)
+    return used, float(strategy.experimental_local_results(same)[0].numpy()[0]), other, other_plain
 
 
 def test_transport_from_strategy_options_and_per_call_check():
-    for used, value, other in run_workers(_per_call_transport, 2, timeout=120):
+    for used, value, other, other_plain in run_workers(_per_call_transport, 2, timeout=120):
         assert used == "unix" and value == 3.0
         assert "transport" in other and "when the job started" in other
+        assert "when the job started" in other_plain, other_plain
 
 
 def _nccl_default_on_host(rank, size, how):

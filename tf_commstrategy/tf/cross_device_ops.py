@@ -109,7 +109,8 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
 
     def _options(self, options):
         merged = opts.merge(self._ext._communication_options, options)
-        wanted = getattr(merged, "transport", None)
+        # the call's own transport first: merged into a plain TF default it would be dropped unseen
+        wanted = getattr(options, "transport", None) or getattr(merged, "transport", None)
         if wanted is not None and wanted not in ("auto", self._ext._group.transport,
                                                  self._ext._group.backend("grpc").transport):
             from ..errors import ConfigurationError

@@ -393,6 +393,11 @@ class GrpcRingBackend(Backend):
                     fix="pass out=np.empty_like(x) or out=x (in place)")
             flat = out.reshape(-1)
         if flat is src or (out is not None and np.shares_memory(flat, src)):
+            if flat.__array_interface__["data"][0] != src.__array_interface__["data"][0]:
+                raise UnsupportedOperationError(
+                    "out= overlaps the input without being it (e.g. x[:-1] into x[1:]): the reduction would "
+                    "read values it has already overwritten", rank=self.rank,
+                    fix="pass out=x (in place) or an array that does not overlap x")
             src = None  # in place
         ce = self._chunk_elems(buf.dtype, op)
 
