@@ -84,8 +84,11 @@ def _as_bytes(a: np.ndarray):
     return a.view(np.uint8) if a.size else b""
 
 
-def _incoming(link, key, dtype, expect: int) -> np.ndarray:
-    payload = link.recv(key)
+def _incoming(link, key, dtype, expect: int, into: Optional[np.ndarray] = None) -> np.ndarray:
+    """The chunk for ``key`` as an array of ``dtype``; with ``into`` (its destination) a link that can
+    (``recv_into``: a raw socket) reads it straight there, and the array returned is then ``into``."""
+    recv_into = getattr(link, "recv_into", None) if into is not None and into.size else None
+    payload = recv_into(key, into.view(np.uint8)) if recv_into is not None else link.recv(key)
     arr = np.frombuffer(payload, dtype=dtype)
     if arr.size != expect:
         raise CollectiveMismatchError(
@@ -134,8 +137,10 @@ def _allgather_steps(link, flat: np.ndarray, chunks: Sequence, step0: int, send_
     for t in range(W - 1):
         seg = (r - t - 1) % W
         for c, (a, b) in enumerate(chunks[seg]):
-            incoming = _incoming(link, (step0 + t, c), flat.dtype, b - a)
-            flat[a:b] = incoming
+            dst = flat[a:b]
+            incoming = _incoming(link, (step0 + t, c), flat.dtype, b - a, into=dst)
+            if incoming.size and incoming.ctypes.data != dst.ctypes.data:  # not read in place: copy
+                dst[...] = incoming
             if t < W - 2:
                 link.send((step0 + t + 1, c), _as_bytes(flat[a:b]))
 

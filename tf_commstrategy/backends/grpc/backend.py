@@ -90,13 +90,20 @@ class _Link:
             self._ring.inbound.release()
         self._ring.stream.drain(max(0.1, self._deadline - time.monotonic()), abort=self._abort)
 
-    def recv(self, key):
+    def recv_into(self, key, dst: np.ndarray):
+        """The payload for ``key``, read straight into ``dst`` (uint8) where the link can (a raw socket):
+        then the array returned is ``dst``; otherwise the caller copies it."""
+        return self.recv(key, into=dst)
+
+    def recv(self, key, into=None):
         right = self._ring.stream
         pump = getattr(right, "pump", None)  # an inline outbound writes queued frames while we wait
         wkey = (self._seq, links.wire_step(self._rid, key[0]), key[1])
-        if self._ring.inbound is not None:  # shared memory or a raw socket, read in this thread
-            item = self._ring.inbound.take(wkey, self._deadline, self._sig, abort=self._abort,
-                                           outbound=right)
+        inbound = self._ring.inbound
+        if isinstance(inbound, socket_transport.SocketReceiver):  # a raw socket, read in this thread
+            item = inbound.take(wkey, self._deadline, self._sig, abort=self._abort, outbound=right, into=into)
+        elif inbound is not None:  # shared memory, read in this thread
+            item = inbound.take(wkey, self._deadline, self._sig, abort=self._abort, outbound=right)
         else:
             item = self._b.mailbox.take(wkey, self._deadline, self._left, self._sig,
                                         health=right.broken if right is not None else None, pump=pump)

@@ -372,6 +372,7 @@ class SocketReceiver:
         sock.setblocking(False)
         self._head = bytearray(wire.HEADER.size)
         self._payload = np.empty(1 << 16, np.uint8)  # grows to the largest frame, then reused
+        self._dest = None  # the caller's array the current payload goes to (take(into=)), else None
         self._closed: Optional[BaseException] = None
         self._phase, self._got, self._rest, self._nbytes = 0, 0, b"", 0  # a frame read in part
 
@@ -424,13 +425,14 @@ class SocketReceiver:
             time.sleep(0.01)
         return err
 
-    def take(self, key, deadline: float, sig: bytes, abort=None, outbound=None):
+    def take(self, key, deadline: float, sig: bytes, abort=None, outbound=None, into=None):
         """The frame for ``key`` = (seq, step, chunk): (sig, payload uint8 view), or None at the deadline.
 
         A frame of the same collective under another signature returns (its sig, None); a frame of
         another collective or position returns a description of it as sig, with None (the caller
         reports the mismatch). ``outbound``: this rank's stream to its right neighbour, written while
-        waiting.
+        waiting. ``into``: a writable uint8 array where a payload of exactly its size is read straight
+        from the socket (the view returned is then ``into``), saving the copy out of the reused buffer.
         """
         if self._closed is not None:
             raise self._closed
@@ -453,10 +455,11 @@ class SocketReceiver:
             (self._nbytes,) = LENGTH.unpack_from(self._rest, len(self._rest) - LENGTH.size)
             if self._nbytes > MAX_FRAME_BYTES:
                 raise self._bad(f"a frame of {self._nbytes} bytes (limit {MAX_FRAME_BYTES})")
-            if self._nbytes > self._payload.nbytes:
+            self._dest = into if into is not None and into.nbytes == self._nbytes else None
+            if self._dest is None and self._nbytes > self._payload.nbytes:
                 self._payload = np.empty(max(self._nbytes, 2 * self._payload.nbytes), np.uint8)
             self._phase = 2
-        view = self._payload[:self._nbytes]
+        view = self._dest if self._dest is not None else self._payload[:self._nbytes]
         if self._nbytes and not self._fill(memoryview(view), deadline, abort, outbound):
             return None
         self._phase = 0
