@@ -170,11 +170,18 @@ def test_local_rank_and_size_from_hostnames():
     assert run_workers(_local, 3, timeout=60) == [(0, 3), (1, 3), (2, 3)]
 
 
-def _local_explicit(rank, size):
-    import tf_commstrategy as tfcs
+def _no_engine() -> str:
+    """Drop what the test launcher set (as if no engine had started this worker); the coordinator's
+    address, for init() arguments."""
     coordinator = os.environ["TFCS_COORDINATOR"]
     for name in ("TFCS_RANK", "TFCS_WORLD_SIZE", "TFCS_LOCAL_RANK", "TFCS_COORDINATOR"):
-        os.environ.pop(name, None)  # nothing from an engine: only the arguments
+        os.environ.pop(name, None)
+    return coordinator
+
+
+def _local_explicit(rank, size):
+    import tf_commstrategy as tfcs
+    coordinator = _no_engine()
     tfcs.init(rank=rank, world_size=size, coordinator=coordinator)
     return tfcs.local_rank(), tfcs.local_size()
 
@@ -185,9 +192,7 @@ def test_local_rank_with_explicit_ranks_and_no_engine():
 
 def _short_of_workers(rank, size):
     import tf_commstrategy as tfcs
-    coordinator = os.environ["TFCS_COORDINATOR"]
-    for name in ("TFCS_RANK", "TFCS_WORLD_SIZE", "TFCS_LOCAL_RANK", "TFCS_COORDINATOR"):
-        os.environ.pop(name, None)
+    coordinator = _no_engine()
     t0 = time.monotonic()
     try:
         tfcs.init(rank=rank, world_size=4, coordinator=coordinator, rendezvous_timeout=3)
@@ -258,9 +263,7 @@ def test_after_a_failure_no_rank_waits_in_the_shutdown_barrier():
 
 def _two_claim_rank_one(rank, size):
     import tf_commstrategy as tfcs
-    coordinator = os.environ["TFCS_COORDINATOR"]
-    for name in ("TFCS_RANK", "TFCS_WORLD_SIZE", "TFCS_LOCAL_RANK", "TFCS_COORDINATOR"):
-        os.environ.pop(name, None)
+    coordinator = _no_engine()
     if rank == 2:
         time.sleep(2)  # after the real rank 1 has claimed
     try:
