@@ -191,6 +191,27 @@ def test_any_error_before_nccl_runs_fails_the_backend_and_tells_the_peers():
     assert first0.startswith("CollectiveAbortedError") and "rank 1" in first0, first0
 
 
+def w_close_after_control_failure(rank, size, fail):
+    import time
+    cupy, tfcs, fake = _setup()
+    tfcs.allreduce(cupy.asarray(np.ones(3, np.float32)), backend="nccl", timeout=30)  # a communicator
+    if fail:
+        if rank == 0:  # rank 1 never joins this ring all-reduce: rank 0 times out and tells rank 1
+            try:
+                tfcs.allreduce(np.ones(3), backend="grpc", timeout=2)
+            except tfcs.CollectiveTimeoutError:
+                pass
+        time.sleep(4)  # rank 1 hears of it while idle (only its control plane knows)
+    tfcs.shutdown()
+    return fake.log["aborted"], fake.log["destroyed"]
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["clean", "after-a-control-plane-failure"])
+def test_shutdown_destroys_communicators_after_a_clean_run_and_aborts_them_after_a_failure(fail):
+    for aborted, destroyed in run_workers(w_close_after_control_failure, 2, fail, timeout=90):
+        assert (aborted, destroyed) == ((1, 0) if fail else (0, 1))
+
+
 def w_absent(rank, size):
     import time
     cupy, tfcs, fake = _setup()

@@ -107,7 +107,7 @@ class NcclBackend(Backend):
         if self._failed is not None:
             return self._failed
         grpc = getattr(self.group, "_backends", {}).get("grpc")
-        return getattr(grpc, "_failed", None)
+        return grpc.failure() if grpc is not None else None  # its own error, or one another rank reported
 
     def _comm(self, device_id: int, deadline: float) -> Communicator:
         comm = self._comms.get(device_id)
@@ -357,11 +357,12 @@ class NcclBackend(Backend):
 
     def close(self) -> None:
         comms, self._comms = list(self._comms.values()), {}
+        failed = self._control_failure() is not None
         for c in comms:
-            if self._failed is None:
-                c.destroy()
-            else:
+            if failed:  # a peer may be gone: ncclCommDestroy could wait for it, ncclCommAbort does not
                 c.abort()
+            else:
+                c.destroy()
 
 
 def _prod(shape) -> int:
