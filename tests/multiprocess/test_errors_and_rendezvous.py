@@ -279,3 +279,23 @@ def test_a_second_worker_claiming_a_rank_is_refused_and_told_why():
     ok0, ok1, refused = run_workers(_two_claim_rank_one, 3, timeout=90)
     assert ok0 == ok1 == [2.0]
     assert "rank 1 was claimed by 2 workers" in refused and "its own port" in refused, refused
+
+
+def _reinit_at_once_after_a_failure(rank, size):
+    import tf_commstrategy as tfcs
+    tfcs.init(rendezvous_timeout=30)
+    if rank == 0:  # rank 1 never joins this all-reduce: rank 0 times out and tells it (Abort)
+        try:
+            tfcs.allreduce(np.ones(4), timeout=2)
+        except tfcs.CollectiveTimeoutError:
+            pass
+        time.sleep(4)  # rank 0 is slow to shut down: its coordinator is still serving meanwhile
+    else:
+        time.sleep(3)  # it has heard of the failure by now
+    tfcs.shutdown()
+    tfcs.init(rendezvous_timeout=30)  # at once, the same coordinator port
+    return tfcs.allreduce(np.array([rank + 1.0])).tolist()
+
+
+def test_init_right_after_a_failed_jobs_shutdown_meets_the_new_coordinator():
+    assert run_workers(_reinit_at_once_after_a_failure, 2, timeout=120) == [[3.0], [3.0]]

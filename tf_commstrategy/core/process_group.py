@@ -161,9 +161,13 @@ class ProcessGroup:
                 log.warning("tf_commstrategy rank %d: closing backend %s: %s", self.rank, b.name, e)
         if clean:
             self._leave_coordinator()
+        elif self.store is not None and self.rank != 0:
+            # after a failure too, an init() right after this must not reach the old coordinator: wait
+            # (bounded) until rank 0 has stopped it; a dead rank 0 answers at once (connection refused)
+            self._leave_coordinator(count=False)
         self._rdv.close()
 
-    def _leave_coordinator(self, wait_s: float = 10.0) -> None:
+    def _leave_coordinator(self, wait_s: float = 10.0, count: bool = True) -> None:
         """Make sure rank 0's coordinator is gone before ``shutdown`` returns anywhere.
 
         Otherwise a worker that calls ``init`` again at once could still reach the old coordinator
@@ -176,7 +180,8 @@ class ProcessGroup:
                 while self.store.add("left", 0) < self.size - 1 and time.monotonic() < end:
                     time.sleep(0.02)
             else:
-                self.store.add("left", 1)
+                if count:
+                    self.store.add("left", 1)
                 self.store.get("coordinator-closed", timeout=wait_s)  # never set: returns by error
         except Exception:
             pass  # the coordinator stopped (expected) or is unreachable: either way it is gone
