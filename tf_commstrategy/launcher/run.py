@@ -11,11 +11,10 @@ signal when it was killed), naming its rank. When the job ends, successfully or 
 the workers' process groups (processes a worker started and did not wait for) is stopped as well.
 With ``--max-restarts K`` the whole job is started again after a failure, up to K times (workers see
 ``TFCS_RESTART_COUNT``; with ``tf_keras.callbacks.BackupAndRestore`` training resumes from the last
-finished epoch). SIGINT /
-SIGTERM / SIGHUP sent to ``tfcs-run`` are forwarded to every worker and end the job without restarts;
-workers still running ``GRACE_S`` seconds later are stopped (SIGTERM, then SIGKILL), and a second signal
-kills them at once. Output sent to a closed reader (``tfcs-run ... | head``) is discarded, so workers never
-block writing it.
+finished epoch). SIGINT / SIGTERM / SIGHUP sent to ``tfcs-run`` are forwarded to every worker and
+end the job without restarts; workers still running ``GRACE_S`` seconds later are stopped (SIGTERM,
+then SIGKILL), and a second signal kills them at once. Output sent to a closed reader
+(``tfcs-run ... | head``) is discarded, so workers never block writing it.
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ import sys
 import threading
 import time
 from typing import List, Optional
+
+from ..rendezvous.cluster_env import join_host_port
 
 GRACE_S = 10.0          # SIGTERM -> SIGKILL
 SURVIVOR_GRACE_S = 20.0  # first failure -> SIGTERM to the rest (they usually report and exit by themselves)
@@ -205,7 +206,7 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
     """Start the workers once and wait for them; returns the job's exit code."""
     host = args.host or "127.0.0.1"
     port = args.port or _free_port(host)
-    coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # as join_host_port (no import here)
+    coordinator = join_host_port(host, port)
     lock = threading.Lock()
     procs, pumps = [], []
     job = Job(procs)

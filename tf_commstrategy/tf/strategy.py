@@ -33,7 +33,6 @@ from tensorflow.python.trackable import base as trackable_base
 from .. import process
 from ..core.backend import normalize_backend_name
 from . import input_path, keras_compat, tensor_ops, threads
-from . import options as opts
 from .cross_device_ops import CommCrossDeviceOps
 
 
@@ -187,12 +186,10 @@ class CommExtended(mirrored_strategy.MirroredExtended):
                 value = tf.convert_to_tensor(value, dtype=dtype)
                 if not _broadcastable(value.dtype):
                     return value
-                # the strategy's backend and deadline, as for its other collectives (host values under a
-                # default nccl take the ring)
-                choice = opts.BackendChoice(opts.choose_backend(None, self._backend_name,
-                                                                self._communication_options), explicit=False)
-                backend = choice.for_tensors([value], self._group.default_backend)
-                timeout = getattr(self._communication_options, "timeout_seconds", None)
+                # the strategy's backend and deadline, chosen as for its other collectives
+                ops_ = self._cross_device_ops
+                backend = ops_._backend_for(ops_._backend_name(None), [value])
+                timeout = ops_._options(None).timeout_seconds
                 return tf.identity(tensor_ops.broadcast(value, 0, backend=backend, timeout=timeout))
         return initial_value_fn
 

@@ -277,18 +277,16 @@ class SocketSender:
                                       f"before its challenge", rank=my_rank, address=address,
                                       fix=f"rank {peer_rank} probably died while starting; see its log")
             sock.sendall(HELLO.pack(HELLO_MAGIC, my_rank, ring_id, _mac(token, my_rank, bytes(nonce), ring_id)))
-        except OSError as e:
+        except BaseException as e:
             if sock is not None:
                 sock.close()
+            if not isinstance(e, OSError):
+                raise
             raise RendezvousError(f"cannot open the data connection to rank {peer_rank} at {address}: {e}",
                                   rank=my_rank, address=address,
                                   fix=f"rank {peer_rank} may have died while starting (see its log); ranks that "
                                       "share a hostname but not a network namespace need TFCS_TRANSPORT=grpc "
                                       "or tcp") from None
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
         return cls(sock, peer_rank, my_rank, describe(peer_rank) if describe is not None else address, address)
 
     def _fail(self, e: OSError) -> PeerLostError:
