@@ -21,6 +21,8 @@ def _mismatch(rank, size, kind):
             tfcs.allreduce(np.ones(4 + rank, np.float32))
         elif kind == "op":
             tfcs.allreduce(np.ones(4), op="sum" if rank == 0 else "max")
+        elif kind == "small-large":  # one rank on the shared buffers' one-round path, the others in pieces
+            tfcs.allreduce(np.ones(4 if rank == 0 else 1 << 18, np.float32))
         elif kind == "root":
             tfcs.broadcast(np.ones(4), root_rank=rank)
         elif kind == "order":
@@ -41,7 +43,7 @@ def _mismatch(rank, size, kind):
     return "no error", "", "", 0, 0
 
 
-@pytest.mark.parametrize("kind", ["dtype", "shape", "op", "root", "order"])
+@pytest.mark.parametrize("kind", ["dtype", "shape", "op", "small-large", "root", "order"])
 def test_mismatch_raises_on_every_rank_naming_both_signatures(kind):
     res = run_workers(_mismatch, 3, kind, timeout=60, env={"TFCS_TIMEOUT": "30"})
     names = [r[0] for r in res]

@@ -202,3 +202,27 @@ def test_a_setup_that_fails_midway_leaves_no_segment_while_the_process_lives(whe
         if rank != 1:
             status, (name, left) = res[rank]
             assert status == "ok" and name == "RendezvousError" and left == [], (rank, res[rank])
+
+
+def _drifting_small_allreduces(rank, size, calls):
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.process import default_group
+    tfcs.init()
+    rng = np.random.default_rng(rank)
+    wrong = []
+    for i in range(calls):
+        n = 60_000 if i % 37 == 36 else 1 + i % 500  # mostly the one-round path, now and then in pieces
+        if rng.random() < 0.1:
+            time.sleep(rng.random() * 0.002)  # ranks drift apart: a fast rank runs ahead into the next slot
+        x = np.full(n, float(rank * 1000 + i), np.float64)
+        got = tfcs.allreduce(x, out=x)
+        want = sum(r * 1000 + i for r in range(size))
+        if not np.all(got == want):
+            wrong.append((i, n, float(got[0]), float(want)))
+    return wrong, default_group().backend("grpc").stats()["allreduce"]
+
+
+def test_back_to_back_small_allreduces_on_the_shared_buffers_keep_every_call_apart():
+    res = run_workers(_drifting_small_allreduces, 4, 400, timeout=120)
+    assert {r[1] for r in res} == {"shm-buffers"}, res
+    assert [r[0] for r in res] == [[]] * 4, res  # every call's own values, summed, on every rank

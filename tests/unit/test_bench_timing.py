@@ -91,3 +91,10 @@ def test_the_table_takes_each_calls_slowest_rank(tmp_path):
     (tmp_path / "r2").write_text(json.dumps({"8": [0.5, 6.0, 1.0]}))
     got = slowest_rank(rank0, [str(tmp_path / "r1"), str(tmp_path / "r2"), str(tmp_path / "missing")])
     assert got == {"8": [4.0, 6.0, 2.5], "64": [3.0]}
+
+
+@pytest.mark.parametrize("iters,untimed", [(5, 3), (100, 10), (2000, 200)])
+def test_the_default_warm_up_is_a_tenth_of_the_timed_calls_and_at_least_three(clock, iters, untimed):
+    calls = []
+    times = workers.timed(lambda: calls.append(1), iters=iters)
+    assert len(times) == iters and len(calls) == iters + untimed

@@ -137,3 +137,49 @@ def test_stale_segments_of_dead_creators_are_removed():
         for path in (dead, older, foreign):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+class _CountingFutex:
+    def __init__(self, real):
+        self.real, self.wakes = real, 0
+
+    def wake(self, addr):
+        self.wakes += 1
+        self.real.wake(addr)
+
+    def wait(self, addr, expected, timeout_s):
+        self.real.wait(addr, expected, timeout_s)
+
+
+@pytest.mark.skipif(S._atomic_add is None, reason="without libatomic every ring wakes")
+def test_a_bell_makes_the_wake_up_call_only_for_a_sleeper_and_wakes_it(monkeypatch):
+    import threading
+    counting = _CountingFutex(S.futex())
+    monkeypatch.setattr(S, "futex", lambda: counting)
+    seg = S.Segment.create(S.BELL_BYTES, "bell")
+    try:
+        seg.unlink()
+        ringer, sleeper = S.Bell(seg), S.Bell(seg)
+        ringer.ring()
+        assert counting.wakes == 0 and sleeper.value() == 1  # nobody asleep: no syscall, the word moved
+        seen = sleeper.value()
+        woke = threading.Event()
+
+        def sleep():
+            sleeper.wait(seen, 30.0)  # returns when rung, long before this timeout
+            woke.set()
+
+        t = threading.Thread(target=sleep, daemon=True)
+        t.start()
+        end = time.monotonic() + 10
+        while int(np.frombuffer(seg.mm, np.uint32, 2)[1]) == 0 and time.monotonic() < end:
+            time.sleep(0.001)  # until the sleeper has counted itself
+        time.sleep(0.05)  # and is inside futex(2) (or about to be: then it sees the word move)
+        ringer.ring()
+        assert woke.wait(10), "the sleeper was not woken"
+        assert counting.wakes == 1
+        t.join(5)
+        assert int(np.frombuffer(seg.mm, np.uint32, 2)[1]) == 0  # it uncounted itself
+        sleeper.wait(seen, 30.0)  # the word has moved since `seen`: returns at once
+    finally:
+        seg.close()

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -45,11 +46,13 @@ def busy(seconds: float) -> None:
         hashlib.sha256(_SCRATCH).digest()
 
 
-def timed(call, iters: int, warmup: int = 3, gap_s: float = 0.0, prepare=None):
-    """Per-call wall times (seconds) of ``iters`` calls after ``warmup`` untimed ones: back to back,
-    or with ``busy(gap_s)`` before each (not timed). ``prepare()``, when given, runs before each call,
-    untimed: it restores the input an in-place call overwrote."""
-    for _ in range(warmup):
+def timed(call, iters: int, warmup: Optional[int] = None, gap_s: float = 0.0, prepare=None):
+    """Per-call wall times (seconds) of ``iters`` calls after ``warmup`` untimed ones (default: a tenth
+    of ``iters``, at least 3: with more ranks than cores the first few hundred small calls of a size ran
+    slower than the rest), back to back, or with ``busy(gap_s)`` before each (not timed).
+    ``prepare()``, when given, runs before each call, untimed: it restores the input an in-place call
+    overwrote."""
+    for _ in range(max(3, iters // 10) if warmup is None else warmup):
         if prepare is not None:
             prepare()
         call()

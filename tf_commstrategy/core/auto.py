@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import re
 
+import numpy as np
+
 log = logging.getLogger("tf_commstrategy")
 _announced = set()
 _DEVICE_TYPE = re.compile(r"(?:^|/)(?:device:)?(?!task:|replica:)([A-Za-z_]+):\d+$", re.IGNORECASE)
@@ -12,6 +14,8 @@ _DEVICE_TYPE = re.compile(r"(?:^|/)(?:device:)?(?!task:|replica:)([A-Za-z_]+):\d
 
 def is_device_array(buf) -> bool:
     """True for GPU arrays outside TF: cupy arrays, our ``Bfloat16Array``, CUDA DLPack producers."""
+    if type(buf) is np.ndarray:  # the common case, answered without looking further
+        return False
     if type(buf).__module__.split(".")[0] == "cupy" or getattr(type(buf), "__tfcs_device_buffer__", False):
         return True
     dev = getattr(buf, "__dlpack_device__", None)
@@ -24,6 +28,8 @@ def is_device_array(buf) -> bool:
 
 
 def is_gpu_buffer(buf) -> bool:
+    if type(buf) is np.ndarray:
+        return False
     if is_device_array(buf):
         return True
     dev = getattr(buf, "device", None)  # a tf.Tensor's device string, e.g. '/job:.../device:GPU:0'

@@ -159,6 +159,7 @@ class GrpcRingBackend(Backend):
         self._ring: Optional[links.RingLinks] = None       # the job's ring, every rank in rank order
         self._host_ring: Optional[links.RingLinks] = None  # hierarchy: the ranks of this host
         self._leader_ring: Optional[links.RingLinks] = None  # hierarchy: one rank per host
+        self._allreduce_sigs: dict = {}
         self._fusion: Optional[shm_fusion.FusionBuffers] = None  # the whole job on one host: shared buffers
         self.hierarchical = False
         self._watchdog: Optional[liveness.Watchdog] = None
@@ -388,7 +389,12 @@ class GrpcRingBackend(Backend):
     def allreduce(self, buf: np.ndarray, op: ReduceOp, timeout=None, out: Optional[np.ndarray] = None) -> np.ndarray:
         """``out`` (C-contiguous, same shape and dtype; may be ``buf``: in place) receives the result;
         without it a new array does. ``buf`` itself is only read unless it is ``out``."""
-        sig = f"allreduce op={op.value} dtype={buf.dtype} shape={tuple(buf.shape)}"
+        key = (op, buf.dtype, buf.shape)
+        sig = self._allreduce_sigs.get(key)
+        if sig is None:  # formatting a dtype's name costs more than the small all-reduce's own bookkeeping
+            if len(self._allreduce_sigs) > 256:
+                self._allreduce_sigs.clear()
+            sig = self._allreduce_sigs[key] = f"allreduce op={op.value} dtype={buf.dtype} shape={tuple(buf.shape)}"
         src = np.ascontiguousarray(buf).reshape(-1)
         if out is None:
             flat = np.empty_like(src)

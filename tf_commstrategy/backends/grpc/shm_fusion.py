@@ -17,8 +17,19 @@ bytes, mapped by every other rank of the job. An all-reduce moves through it in 
    several), waiting for q's ``reduced`` >= g; publish ``done`` = g.
 
 The input is read once and the output written once: no frames, no staging copies, no ring steps.
-Each segment is reduced by one rank, so every rank gets bitwise the same result. float16 / bfloat16
-sums, means and products are accumulated in float32 and rounded once, as in the ring.
+Each segment is reduced by one rank, so every rank gets bitwise the same result.
+
+Small all-reduces (at most ``small_bytes``, 64 KiB by default) take one round instead of two: each
+rank writes its input into one of two *slots* at the start of its data area (alternating by
+generation), publishes ``ready``, waits for every peer's ``ready`` and then reduces the whole array
+itself, reading every rank's slot in rank order (so again every rank computes bitwise the same
+result), and publishes ``done``. A rank reuses a slot two generations later; by then every peer has
+published the ``ready`` of the generation in between, which it does only after finishing its reads
+of the slot, so the wait for ``done`` before a write costs nothing while small calls follow each other
+(4 ranks on 2 cores, in-job A/B: 36-53 us instead of 92-109 us at 8 B, 53-58 instead of 92-116 at
+64 KiB).
+
+float16 / bfloat16 sums, means and products are accumulated in float32 and rounded once, as in the ring.
 
 Waits spin briefly when the host has a core per rank, then sleep on this rank's bell (a futex word
 in its segment that the peers bump and wake), in slices that check the abort state reported over
@@ -27,7 +38,7 @@ gRPC, the processes of the ranks waited for and the deadline: a peer killed mid-
 
 Header of a segment (byte offsets; the flags each on their own cache line)::
 
-    [0, 4)      bell: futex word the peers wake
+    [0, 4)      bell: futex word the peers wake; [4, 8) how many threads sleep on it (``Bell``)
     [64, 72)    ready    [128, 136) reduced    [192, 200) done      (generations, uint64)
     [256, 288)  piece header: collective seq, piece index, elements, signature length
     [320, ...)  signature text (at most SIG_MAX bytes)
@@ -45,6 +56,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import time
 from typing import Callable, Optional, Sequence
 
@@ -65,6 +77,10 @@ SIG_AT, SIG_MAX = 320, 1024           # signature text: byte offset, most bytes 
 ENTERED = 192                         # uint64 index (byte offset 1536): the collective this rank is in, + 1
 ENTERED_SIG = 200                     # uint64 index (byte offset 1600): its signature's length; text at 1664
 ENTERED_SIG_AT = 1664
+SMALL_BYTES = 64 << 10                # largest all-reduce (input bytes) that takes the one-round path
+SLOT_HEAD = struct.Struct("<QQQ")    # a slot's header: collective seq, elements, signature length
+SLOT_DATA_AT = 64 + SIG_MAX           # a slot: [0, 64) header (seq, elements, signature length), signature,
+                                      # then the data
 
 
 class FusionBuffers:
@@ -89,6 +105,12 @@ class FusionBuffers:
         self.spin_s = spin_s
         self.yield_s = YIELD_S if spin_s == 0 else 0.0
         self.gen = 0
+        # the one-round path: two slots at the start of the data area (none if the capacity is too small)
+        self.small_bytes = max(0, min(SMALL_BYTES, capacity // 2 - SLOT_DATA_AT) // 64 * 64)
+        self._slot_bytes = SLOT_DATA_AT + self.small_bytes
+        self._last_small = False
+        self._slot_views: dict = {}
+        self._entered_sig: Optional[str] = None  # the signature text in my header now
 
     # -- setup -----------------------------------------------------------------------------------
     @classmethod
@@ -162,13 +184,15 @@ class FusionBuffers:
     # -- which collective each rank is in --------------------------------------------------------
     def enter(self, seq: int, sig: str) -> None:
         """Publish the collective this rank has just entered (every kind, ring ones too)."""
-        sig_b = sig.encode()[:SIG_MAX]
         ctl = self._ctl[self.rank]
-        ctl[ENTERED] = 0  # readers that catch the text half-written see 0 (or the new seq) and skip it
-        _fence()
-        self._segs[self.rank].mm[ENTERED_SIG_AT:ENTERED_SIG_AT + len(sig_b)] = sig_b
-        ctl[ENTERED_SIG] = len(sig_b)
-        _fence()
+        if sig is not self._entered_sig:  # the text already there stays right for the old and the new seq
+            sig_b = sig.encode()[:SIG_MAX]
+            ctl[ENTERED] = 0  # readers that catch the text half-written see 0 (or the new seq) and skip it
+            _fence()
+            self._segs[self.rank].mm[ENTERED_SIG_AT:ENTERED_SIG_AT + len(sig_b)] = sig_b
+            ctl[ENTERED_SIG] = len(sig_b)
+            _fence()
+            self._entered_sig = sig
         ctl[ENTERED] = seq + 1
 
     def conflict(self, seq: int, sig: str) -> Optional[CollectiveMismatchError]:
@@ -210,6 +234,7 @@ class FusionBuffers:
         spin_end = time.monotonic() + self.spin_s
         while True:
             seen = self._bell.value()
+            _fence()  # read the bell before the flags (x86 keeps loads in order; elsewhere this orders them)
             pending = [q for q in pending if int(ctl[q][flag]) < at_least]
             if not pending:
                 _fence()
@@ -256,6 +281,9 @@ class FusionBuffers:
         total = src.size
         if on_timeout is None:
             on_timeout = self._default_timeout(seq, sig)
+        if 0 < total * dtype.itemsize <= self.small_bytes:
+            self._allreduce_small(src, dst, dtype, total, op, seq, sig, deadline, abort, on_timeout)
+            return
         per_piece = max(1, self.capacity // max(dtype.itemsize, 1))
         wide = needs_wide_accumulator(dtype, op)
         sig_b = sig.encode()[:SIG_MAX]
@@ -264,6 +292,7 @@ class FusionBuffers:
         views = {q: d[:per_piece * dtype.itemsize].view(dtype) for q, d in self._data.items()}
         piece = 0
         lo = 0
+        self._last_small = False
         while True:
             hi = min(total, lo + per_piece)
             n = hi - lo
@@ -312,6 +341,61 @@ class FusionBuffers:
             if lo >= total:
                 return
 
+    def _allreduce_small(self, src: Spans, dst: Spans, dtype: np.dtype, n: int, op: ReduceOp, seq: int, sig: str,
+                         deadline: float, abort, on_timeout) -> None:
+        """The one-round path (module docstring): every rank reduces the whole array from the slots."""
+        g = self.gen + 1
+        # the slot I am about to write was last read two generations ago, unless a piece of a large
+        # all-reduce used the whole data area after it (then the peers must have finished that piece)
+        self._wait(DONE, g - 2 if self._last_small else g - 1, self._peers, deadline, abort, on_timeout)
+        slot = g % 2
+        at = HEADER_BYTES + slot * self._slot_bytes  # offset in the segments
+        sig_b = sig.encode()[:SIG_MAX]
+        r = self.rank
+        key = (slot, dtype, n)
+        slots = self._slot_views.get(key)
+        if slots is None:
+            if len(self._slot_views) > 64:
+                self._slot_views.clear()
+            nbytes = n * dtype.itemsize
+            slots = [self._segs[q].u8[at + SLOT_DATA_AT:at + SLOT_DATA_AT + nbytes].view(dtype)
+                     for q in range(self.size)]
+            self._slot_views[key] = slots
+        src.read_into(slots[r], 0, n)
+        mm = self._segs[r].mm
+        SLOT_HEAD.pack_into(mm, at, seq, n, len(sig_b))
+        mm[at + 64:at + 64 + len(sig_b)] = sig_b
+        _fence()
+        self._ctl[r][READY] = g
+        self._ring_peers()
+        self._wait(READY, g, self._peers, deadline, abort, on_timeout)
+        for q in self._peers:
+            their = self._segs[q].mm
+            t_seq, t_n, t_len = SLOT_HEAD.unpack_from(their, at)
+            if t_seq != seq or t_n != n or their[at + 64:at + 64 + min(t_len, SIG_MAX)] != sig_b:
+                # a peer in a large all-reduce wrote data over its slots: what it entered tells more
+                problem = self.conflict(seq, sig)
+                if problem is not None:
+                    raise problem
+                self._mismatch(q, seq, sig, 0, n, t_seq, bytes(their[at + 64:at + 64 + min(t_len, SIG_MAX)]), 0,
+                               t_n)
+        if needs_wide_accumulator(dtype, op):
+            acc = slots[0].astype(np.float32)
+            for other in slots[1:]:
+                combine_into(acc, other.astype(np.float32), op)
+        else:
+            acc = slots[0].copy()
+            for other in slots[1:]:
+                combine_into(acc, other, op)
+        if op is ReduceOp.MEAN:
+            finish_mean(acc, self.size)
+        _fence()
+        self._ctl[r][DONE] = g  # my reads of the peers' slots are over
+        self._ring_peers()
+        dst.write_from(acc if acc.dtype == dtype else acc.astype(dtype), 0, n)
+        self.gen = g
+        self._last_small = True
+
     def _conflict_now(self):
         cur = getattr(self, "_current", None)
         return self.conflict(*cur) if cur is not None else None
@@ -321,10 +405,14 @@ class FusionBuffers:
         their_sig = bytes(self._segs[q].mm[SIG_AT:SIG_AT + theirs[3]])
         if theirs[:3] == (seq, piece, n) and their_sig == sig_b:
             return
+        self._mismatch(q, seq, sig, piece, n, theirs[0], their_sig, theirs[1], theirs[2])
+
+    def _mismatch(self, q: int, seq: int, sig: str, piece: int, n: int, their_seq: int, their_sig: bytes,
+                  their_piece: int, their_n: int):
         text = their_sig.decode(errors="replace")
         raise CollectiveMismatchError(
             f"collective #{seq} mismatch in the shared-memory all-reduce: this rank called [{sig}] (piece {piece}, "
-            f"{n} elements) but rank {q} called #{theirs[0]} [{text}] (piece {theirs[1]}, {theirs[2]} elements)",
+            f"{n} elements) but rank {q} called #{their_seq} [{text}] (piece {their_piece}, {their_n} elements)",
             rank=self.rank, seq=seq, local_signature=sig, remote_signature=text, remote_rank=q,
             fix="every rank must issue the same collectives in the same order with the same op, dtype and shape")
 
