@@ -159,6 +159,8 @@ def _mapped_after_shutdown(rank, size, fusion_bytes):
     for _ in range(2):  # init, all-reduce, shutdown; twice in one process
         tfcs.init(transport="shm")
         got = tfcs.allreduce(np.full(1 << 18, rank + 1.0, np.float32))
+        small = tfcs.allreduce(np.full(4, rank + 1.0, np.float32))  # the buffers' one-round path too
+        assert float(small[0]) == float(got[0])
         during = len(shm_maps())
         tfcs.shutdown()
         seen.append((float(got[0]), during, shm_maps()))

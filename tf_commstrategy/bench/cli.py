@@ -173,7 +173,7 @@ def main(argv=None):
     p.add_argument("--sizes", default="8,4K,256K,4M,64M,256M")
     p.add_argument("--backend", choices=["grpc", "nccl", "auto"], default="grpc")
     p.add_argument("--transport", choices=["auto", "shm", "unix", "tcp", "grpc"], default=None,
-                   help="data path under the ring (TFCS_TRANSPORT; default auto: unix on one host)")
+                   help="data path under the ring (TFCS_TRANSPORT; default auto: shared memory on one host)")
     p.add_argument("--compare", default="", help="comma-separated peers: tf-ring, gloo")
     p.add_argument("--budget", type=float, default=1.5, help="approximate seconds spent per size and impl")
     p.add_argument("--gap-ms", type=float, default=0.0,

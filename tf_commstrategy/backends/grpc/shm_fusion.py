@@ -177,6 +177,7 @@ class FusionBuffers:
 
     def close(self) -> None:
         self._ctl, self._data, self._bells, self._bell = {}, {}, {}, None  # no view may outlive the mappings
+        self._slot_views = {}
         for s in self._segs.values():
             s.close()
         self._segs = {}
