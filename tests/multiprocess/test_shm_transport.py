@@ -115,14 +115,17 @@ def _killed_mid_allreduce(rank, size, transport):
     if transport == "shm-ring":  # the ring over shared memory, without the shared all-reduce buffers
         os.environ["TFCS_SHM_FUSION_BYTES"] = "0"
         transport = "shm"
+    n = 16 << 20  # 64 MiB: the kill lands inside an all-reduce
+    if transport == "shm-small":  # a stream of 64-byte calls: the shared buffers' one-round path
+        n, transport = 16, "shm"
     import tf_commstrategy as tfcs
     tfcs.init(transport=transport, timeout=60)
-    x = np.ones(16 << 20, np.float32)  # 64 MiB: the kill lands inside an all-reduce
+    x = np.ones(n, np.float32)
     if rank == 2:
         threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     t_kill = time.time() + 1.5
     try:
-        for _ in range(1000):
+        while time.time() < t_kill + 60:
             tfcs.allreduce(x)
     except tfcs.TfcsError as e:
         return type(e).__name__, getattr(e, "peer_rank", None), time.time() - t_kill, os.getpid()
@@ -134,7 +137,7 @@ def test_kill9_mid_allreduce_on_shm_leaves_no_segment_and_matches_other_paths():
     # 3 ranks on one host: "shm" all-reduces through the shared buffers, "shm-ring" through the ring
     before = set(os.listdir(S.SHM_DIR))
     outcome = {}
-    for transport in ("shm", "shm-ring", "unix"):
+    for transport in ("shm", "shm-small", "shm-ring", "unix"):
         res = run_workers(_killed_mid_allreduce, 3, transport, timeout=150, expect_failure=True)
         assert res[2][0] == "missing"
         outcome[transport] = [(res[r][1][0], res[r][1][1]) for r in (0, 1)]
@@ -142,7 +145,7 @@ def test_kill9_mid_allreduce_on_shm_leaves_no_segment_and_matches_other_paths():
             name, peer, dt, _ = res[r][1]
             assert name == "PeerLostError" and peer == 2, (transport, res[r])
             assert dt < 15, (transport, dt)
-    assert outcome["shm"] == outcome["unix"] == outcome["shm-ring"]
+    assert outcome["shm"] == outcome["shm-small"] == outcome["unix"] == outcome["shm-ring"]
     left = [f for f in set(os.listdir(S.SHM_DIR)) - before if f.startswith(S.PREFIX)]
     assert left == []
 
