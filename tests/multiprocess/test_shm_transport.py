@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tests.helpers import run_workers
-from tf_commstrategy.backends.grpc import shm_transport as S
+from tf_commstrategy.backends.grpc import shm_memory as M
 
-pytestmark = pytest.mark.skipif(S.available() is not None, reason=f"no shared memory here: {S.available()}")
+pytestmark = pytest.mark.skipif(M.available() is not None, reason=f"no shared memory here: {M.available()}")
 
 
 def _small_shm(rank, size, only_kind=None):
@@ -20,7 +20,7 @@ def _small_shm(rank, size, only_kind=None):
     import time
     import logging
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import shm_transport
+    from tf_commstrategy.backends.grpc import shm_memory, shm_transport
     from tf_commstrategy.process import default_group
     warnings = []
 
@@ -29,20 +29,20 @@ def _small_shm(rank, size, only_kind=None):
             warnings.append(record.getMessage())
     logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.WARNING))
     if rank == 1:  # as if this rank's /dev/shm were full (a container's 64 MiB default, say)
-        create = shm_transport.Segment.create
+        create = shm_memory.Segment.create
 
         def full(size, kind):
             if only_kind is None or kind == only_kind:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return create(size, kind)
-        shm_transport.Segment.create = staticmethod(full)
+        shm_memory.Segment.create = staticmethod(full)
     if rank == 2 and only_kind is not None:  # the last rank maps the others' buffers late: they must wait for it
-        attach = shm_transport.Segment.attach
+        attach = shm_memory.Segment.attach
 
         def late(path):
             time.sleep(0.5)
             return attach(path)
-        shm_transport.Segment.attach = staticmethod(late)
+        shm_memory.Segment.attach = staticmethod(late)
     tfcs.init()
     got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
     b = default_group().backend("grpc")
@@ -78,7 +78,7 @@ def _no_bell_mapping(rank, size):
     import errno
     import logging
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import shm_transport
+    from tf_commstrategy.backends.grpc import shm_memory, shm_transport
     from tf_commstrategy.process import default_group
     warnings = []
 
@@ -87,13 +87,13 @@ def _no_bell_mapping(rank, size):
             warnings.append(record.getMessage())
     logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.WARNING))
     if rank == 1:  # this rank maps its neighbours' rings but not their bells (out of mappings, say)
-        attach = shm_transport.Segment.attach
+        attach = shm_memory.Segment.attach
 
         def no_bells(path):
             if "-bell-" in os.path.basename(path):
                 raise OSError(errno.ENOMEM, "Cannot allocate memory")
             return attach(path)
-        shm_transport.Segment.attach = staticmethod(no_bells)
+        shm_memory.Segment.attach = staticmethod(no_bells)
     tfcs.init(transport="shm", timeout=30)
     got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
     b = default_group().backend("grpc")
@@ -135,7 +135,7 @@ def _killed_mid_allreduce(rank, size, transport):
 @pytest.mark.timeout(400)
 def test_kill9_mid_allreduce_on_shm_leaves_no_segment_and_matches_other_paths():
     # 3 ranks on one host: "shm" all-reduces through the shared buffers, "shm-ring" through the ring
-    before = set(os.listdir(S.SHM_DIR))
+    before = set(os.listdir(M.SHM_DIR))
     outcome = {}
     for transport in ("shm", "shm-small", "shm-ring", "unix"):
         res = run_workers(_killed_mid_allreduce, 3, transport, timeout=150, expect_failure=True)
@@ -146,7 +146,7 @@ def test_kill9_mid_allreduce_on_shm_leaves_no_segment_and_matches_other_paths():
             assert name == "PeerLostError" and peer == 2, (transport, res[r])
             assert dt < 15, (transport, dt)
     assert outcome["shm"] == outcome["shm-small"] == outcome["unix"] == outcome["shm-ring"]
-    left = [f for f in set(os.listdir(S.SHM_DIR)) - before if f.startswith(S.PREFIX)]
+    left = [f for f in set(os.listdir(M.SHM_DIR)) - before if f.startswith(M.PREFIX)]
     assert left == []
 
 
@@ -157,7 +157,7 @@ def _mapped_after_shutdown(rank, size, fusion_bytes):
     def shm_maps():
         with open("/proc/self/maps") as f:
             return sorted({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
-                           for line in f if S.PREFIX in line})
+                           for line in f if M.PREFIX in line})
     seen = []
     for _ in range(2):  # init, all-reduce, shutdown; twice in one process
         tfcs.init(transport="shm")
@@ -196,7 +196,7 @@ def _neighbour_stalls_in_setup(rank, size, where):
         tfcs.init(transport="shm", rendezvous_timeout=3)
         return "no error", []
     except tfcs.TfcsError as e:
-        mine = [f for f in os.listdir(S.SHM_DIR) if f.startswith(f"{S.PREFIX}{os.getpid()}-")]
+        mine = [f for f in os.listdir(M.SHM_DIR) if f.startswith(f"{M.PREFIX}{os.getpid()}-")]
         return type(e).__name__, mine  # read while this process is alive: not the launcher's cleanup
 
 

@@ -7,33 +7,34 @@ import time
 import numpy as np
 import pytest
 
+from tf_commstrategy.backends.grpc import shm_memory as M
 from tf_commstrategy.backends.grpc import shm_transport as S
 from tf_commstrategy.errors import PeerLostError
 
-pytestmark = pytest.mark.skipif(S.available() is not None, reason=f"no shared memory here: {S.available()}")
+pytestmark = pytest.mark.skipif(M.available() is not None, reason=f"no shared memory here: {M.available()}")
 
 
 def _pair(chunk_bytes=64 << 10, peer_pid=None):
-    ring = S.Segment.create(S.ring_bytes(chunk_bytes), "ring")
-    bell_a = S.Segment.create(S.BELL_BYTES, "bell")
-    bell_b = S.Segment.create(S.BELL_BYTES, "bell")
+    ring = M.Segment.create(S.ring_bytes(chunk_bytes), "ring")
+    bell_a = M.Segment.create(M.BELL_BYTES, "bell")
+    bell_b = M.Segment.create(M.BELL_BYTES, "bell")
     pid = peer_pid or os.getpid()
     describe = lambda r: f"pid {pid}"  # noqa: E731
-    tx = S.ShmSender(S.Segment.attach(ring.path), S.Bell(S.Segment.attach(bell_b.path)),
-                     S._Waiter(S.Bell(bell_a), 1, pid, 0, describe, 0.0), 0, 1)
-    rx = S.ShmReceiver(ring, S.Bell(bell_a), S._Waiter(S.Bell(bell_b), 0, pid, 1, describe, 0.0), 1, 0)
+    tx = S.ShmSender(M.Segment.attach(ring.path), M.Bell(M.Segment.attach(bell_b.path)),
+                     S._Waiter(M.Bell(bell_a), 1, pid, 0, describe, 0.0), 0, 1)
+    rx = S.ShmReceiver(ring, M.Bell(bell_a), S._Waiter(M.Bell(bell_b), 0, pid, 1, describe, 0.0), 1, 0)
     for seg in (ring, bell_a, bell_b):
         seg.unlink()
     return tx, rx
 
 
 def test_segments_are_private_and_unlinked_once_mapped():
-    seg = S.Segment.create(4096, "ring")
+    seg = M.Segment.create(4096, "ring")
     try:
         st = os.stat(seg.path)
         assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
-        assert os.path.basename(seg.path).startswith(f"{S.PREFIX}{os.getpid()}-")
-        other = S.Segment.attach(seg.path)
+        assert os.path.basename(seg.path).startswith(f"{M.PREFIX}{os.getpid()}-")
+        other = M.Segment.attach(seg.path)
         seg.unlink()
         assert not os.path.exists(seg.path)
         other.u8[100] = 7  # the mapping outlives the name
@@ -46,12 +47,12 @@ def test_segments_are_private_and_unlinked_once_mapped():
 
 def test_attach_refuses_foreign_paths_and_modes(tmp_path):
     with pytest.raises(OSError):
-        S.Segment.attach(str(tmp_path / "x"))
-    seg = S.Segment.create(4096, "ring")
+        M.Segment.attach(str(tmp_path / "x"))
+    seg = M.Segment.create(4096, "ring")
     try:
         os.chmod(seg.path, 0o644)
         with pytest.raises(OSError, match="mode"):
-            S.Segment.attach(seg.path)
+            M.Segment.attach(seg.path)
     finally:
         seg.unlink()
         seg.close()
@@ -119,15 +120,15 @@ def test_stale_segments_of_dead_creators_are_removed():
     p = subprocess.Popen(["true"])
     p.wait()
     ns = os.stat("/proc/self/ns/pid").st_ino
-    dead = os.path.join(S.SHM_DIR, f"{S.PREFIX}{p.pid}-ring-deadbeef.{ns}")
-    older = os.path.join(S.SHM_DIR, f"{S.PREFIX}{p.pid}-bell-deadbeef")  # named before namespaces were
+    dead = os.path.join(M.SHM_DIR, f"{M.PREFIX}{p.pid}-ring-deadbeef.{ns}")
+    older = os.path.join(M.SHM_DIR, f"{M.PREFIX}{p.pid}-bell-deadbeef")  # named before namespaces were
     # a dead pid here may be a live process in another container sharing /dev/shm: left alone
-    foreign = os.path.join(S.SHM_DIR, f"{S.PREFIX}{p.pid}-ring-deadbeef.{ns + 1}")
-    alive = S.Segment.create(4096, "ring")
+    foreign = os.path.join(M.SHM_DIR, f"{M.PREFIX}{p.pid}-ring-deadbeef.{ns + 1}")
+    alive = M.Segment.create(4096, "ring")
     for path in (dead, older, foreign):
         open(path, "w").close()
     try:
-        assert S.remove_stale_segments() >= 2
+        assert M.remove_stale_segments() >= 2
         assert not os.path.exists(dead) and not os.path.exists(older)
         assert os.path.exists(alive.path) and os.path.exists(foreign)
         assert alive.path.endswith(f".{ns}")
@@ -151,15 +152,15 @@ class _CountingFutex:
         self.real.wait(addr, expected, timeout_s)
 
 
-@pytest.mark.skipif(S._atomic_add is None, reason="without libatomic every ring wakes")
+@pytest.mark.skipif(M._atomic_add is None, reason="without libatomic every ring wakes")
 def test_a_bell_makes_the_wake_up_call_only_for_a_sleeper_and_wakes_it(monkeypatch):
     import threading
-    counting = _CountingFutex(S.futex())
-    monkeypatch.setattr(S, "futex", lambda: counting)
-    seg = S.Segment.create(S.BELL_BYTES, "bell")
+    counting = _CountingFutex(M.futex())
+    monkeypatch.setattr(M, "futex", lambda: counting)
+    seg = M.Segment.create(M.BELL_BYTES, "bell")
     try:
         seg.unlink()
-        ringer, sleeper = S.Bell(seg), S.Bell(seg)
+        ringer, sleeper = M.Bell(seg), M.Bell(seg)
         ringer.ring()
         assert counting.wakes == 0 and sleeper.value() == 1  # nobody asleep: no syscall, the word moved
         seen = sleeper.value()

@@ -275,7 +275,7 @@ def _remove_segments_of(pids) -> None:
     """Shared-memory segments are unlinked by the workers once mapped; a worker killed during that
     window leaves one behind, which is removed here once the job is over."""
     try:
-        from ..backends.grpc.shm_transport import remove_stale_segments
+        from ..backends.grpc.shm_memory import remove_stale_segments
         n = remove_stale_segments(only_pids=set(pids))
     except Exception:  # pragma: no cover - cleanup must never hide the job's own exit code
         return

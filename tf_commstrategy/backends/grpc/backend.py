@@ -18,7 +18,7 @@ from ...core.spans import Spans
 from ...rendezvous.cluster_env import join_host_port
 from ...errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                        PeerLostError, TfcsError, UnsupportedOperationError)
-from . import links, liveness, shm_fusion, shm_transport, socket_transport, transport, wire
+from . import links, liveness, shm_fusion, shm_memory, socket_transport, transport, wire
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -204,7 +204,7 @@ class GrpcRingBackend(Backend):
             # every rank shares this host's memory: all-reduce through shared buffers, not the ring. With
             # 2 ranks the ring moves less (it copies 1.5x the buffer, the shared buffers 2x; measured
             # 4 MiB: 0.48-0.64 ms ring, 0.69-0.81 ms buffers); with 4 ranks the buffers win (2.31 vs 2.68 ms)
-            spin = shm_transport.spin_seconds(self.size)
+            spin = shm_memory.spin_seconds(self.size)
             links_problem = self._ring.shm_problem()
             self._fusion = shm_fusion.FusionBuffers.create(
                 g.store, self.rank, self.size, [x.pid for x in w], self.describe, config.shm_fusion_bytes_from_env(),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import List, Optional
 
-from . import shm_transport, socket_transport, transport
+from . import shm_memory, shm_transport, socket_transport, transport
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -58,7 +58,7 @@ class RingLinks:
         inbound, outbound = kinds[(self.rank - 1) % self.size], kinds[self.rank]
         if "shm" in (inbound, outbound):
             local = sum(1 for x in w if x.host_key == w[backend.rank].host_key)
-            spin = shm_transport.spin_seconds(local)
+            spin = shm_memory.spin_seconds(local)
             self._shm = shm_transport.ShmLinks(g.store, backend.rank, self.left, self.right, inbound == "shm",
                                                outbound == "shm", [x.pid for x in w], backend.describe,
                                                backend.chunk_bytes, g.rendezvous_timeout, spin,

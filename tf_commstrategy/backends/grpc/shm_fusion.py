@@ -46,7 +46,7 @@ Header of a segment (byte offsets; the flags each on their own cache line)::
                 rank waiting here and a rank waiting on the ring in another collective see the mismatch
     [4096, ...) data area
 
-Security and lifecycle are the ring segments' (``shm_transport``): created with ``O_EXCL`` and mode
+Security and lifecycle are the ring segments' (``shm_memory``): created with ``O_EXCL`` and mode
 0600 under an unguessable name exchanged over the authenticated store, unlinked as soon as every
 rank has mapped it, stale ones of killed jobs removed at the next start.
 """
@@ -66,8 +66,8 @@ from ...core.reduce_ops import ReduceOp, combine_into, finish_mean, needs_wide_a
 from ...core.ring import even_bounds
 from ...core.spans import Spans
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
-from . import shm_transport
-from .shm_transport import HEADER_BYTES, SLICE_S, YIELD_S, Bell, Segment, _fence, pid_alive, reported_cause
+from . import shm_memory
+from .shm_memory import HEADER_BYTES, SLICE_S, YIELD_S, Bell, Segment, fence, pid_alive, reported_cause
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -122,7 +122,7 @@ class FusionBuffers:
         it); the others log at INFO.
         """
         reason = "turned off (TFCS_SHM_FUSION_BYTES=0)" if capacity <= 0 else (known_problem or
-                                                                               shm_transport.available())
+                                                                               shm_memory.available())
         warned = known_problem is not None or capacity <= 0
         seg = None
         capacity = (max(capacity, 0) + 63) // 64 * 64
@@ -130,8 +130,8 @@ class FusionBuffers:
             try:
                 seg = Segment.create(HEADER_BYTES + capacity, "fuse")
             except OSError as e:
-                reason = (f"cannot reserve {(HEADER_BYTES + capacity) >> 20} MiB in {shm_transport.SHM_DIR} "
-                          f"({e}; {shm_transport._free_mib()} MiB free)")
+                reason = (f"cannot reserve {(HEADER_BYTES + capacity) >> 20} MiB in {shm_memory.SHM_DIR} "
+                          f"({e}; {shm_memory.free_mib()} MiB free)")
         peers, caps = {}, [capacity]
         try:
             store.set(f"{prefix}/seg/{rank}", json.dumps({"path": seg.path if seg else None, "why": reason,
@@ -189,10 +189,10 @@ class FusionBuffers:
         if sig is not self._entered_sig:  # the text already there stays right for the old and the new seq
             sig_b = sig.encode()[:SIG_MAX]
             ctl[ENTERED] = 0  # readers that catch the text half-written see 0 (or the new seq) and skip it
-            _fence()
+            fence()
             self._segs[self.rank].mm[ENTERED_SIG_AT:ENTERED_SIG_AT + len(sig_b)] = sig_b
             ctl[ENTERED_SIG] = len(sig_b)
-            _fence()
+            fence()
             self._entered_sig = sig
         ctl[ENTERED] = seq + 1
 
@@ -203,10 +203,10 @@ class FusionBuffers:
             ctl = self._ctl.get(q)
             if ctl is None or int(ctl[ENTERED]) != seq + 1:
                 continue
-            _fence()
+            fence()
             n = int(ctl[ENTERED_SIG])
             theirs = bytes(self._segs[q].mm[ENTERED_SIG_AT:ENTERED_SIG_AT + min(n, SIG_MAX)])
-            _fence()
+            fence()
             if int(ctl[ENTERED]) == seq + 1 and theirs != sig_b:  # still that collective: the text is its
                 text = theirs.decode(errors="replace")
                 return CollectiveMismatchError(
@@ -235,10 +235,10 @@ class FusionBuffers:
         spin_end = time.monotonic() + self.spin_s
         while True:
             seen = self._bell.value()
-            _fence()  # read the bell before the flags (x86 keeps loads in order; elsewhere this orders them)
+            fence()  # read the bell before the flags (x86 keeps loads in order; elsewhere this orders them)
             pending = [q for q in pending if int(ctl[q][flag]) < at_least]
             if not pending:
-                _fence()
+                fence()
                 return
             now = time.monotonic()
             if now < spin_end:
@@ -304,7 +304,7 @@ class FusionBuffers:
             src.read_into(mine, lo, hi)
             mine_ctl[INFO:INFO + 4] = (seq, piece, n, len(sig_b))
             self._segs[r].mm[SIG_AT:SIG_AT + len(sig_b)] = sig_b
-            _fence()
+            fence()
             mine_ctl[READY] = g
             self._ring_peers()
             # 2. everyone's piece is in place and is the same collective
@@ -325,7 +325,7 @@ class FusionBuffers:
                     finish_mean(acc, W)
                 if wide:
                     views[r][s0:s1] = acc
-            _fence()
+            fence()
             mine_ctl[REDUCED] = g
             self._ring_peers()
             # 4. gather every segment of the result, my own first
@@ -366,7 +366,7 @@ class FusionBuffers:
         mm = self._segs[r].mm
         SLOT_HEAD.pack_into(mm, at, seq, n, len(sig_b))
         mm[at + 64:at + 64 + len(sig_b)] = sig_b
-        _fence()
+        fence()
         self._ctl[r][READY] = g
         self._ring_peers()
         self._wait(READY, g, self._peers, deadline, abort, on_timeout)
@@ -390,7 +390,7 @@ class FusionBuffers:
                 combine_into(acc, other, op)
         if op is ReduceOp.MEAN:
             finish_mean(acc, self.size)
-        _fence()
+        fence()
         self._ctl[r][DONE] = g  # my reads of the peers' slots are over
         self._ring_peers()
         dst.write_from(acc if acc.dtype == dtype else acc.astype(dtype), 0, n)
