@@ -153,10 +153,12 @@ class _CountingFutex:
 
 
 @pytest.mark.skipif(M._atomic_add is None, reason="without libatomic every ring wakes")
-def test_a_bell_makes_the_wake_up_call_only_for_a_sleeper_and_wakes_it(monkeypatch):
+@pytest.mark.parametrize("x86", [True, False], ids=["x86-ordering", "other-cpus-ordering"])
+def test_a_bell_makes_the_wake_up_call_only_for_a_sleeper_and_wakes_it(monkeypatch, x86):
     import threading
     counting = _CountingFutex(M.futex())
     monkeypatch.setattr(M, "futex", lambda: counting)
+    monkeypatch.setattr(M, "_X86", x86)  # the other branch reads the sleeper count with an atomic
     seg = M.Segment.create(M.BELL_BYTES, "bell")
     try:
         seg.unlink()

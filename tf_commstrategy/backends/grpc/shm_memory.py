@@ -254,8 +254,12 @@ class Bell:
         # Every peer rings this bell: an atomic increment never loses one (without libatomic a lost
         # increment can only delay a waiter to its next 50 ms slice, never hang it).
         if _atomic_add is not None:
-            _atomic_add(self._addr, 1, _SEQ_CST)  # a full barrier: the stores before it, then the read below
-            if self._word[1] == 0:
+            _atomic_add(self._addr, 1, _SEQ_CST)
+            # read the sleeper count after the bump. x86's locked add is a full barrier, so a plain read
+            # will do; elsewhere read it with a sequentially consistent atomic too (a store followed by
+            # a load needs a full fence there)
+            sleepers = self._word[1] if _X86 else _atomic_add(self._sleepers, 0, _SEQ_CST)
+            if sleepers == 0:
                 return
         else:
             self._word[0] += 1
