@@ -60,3 +60,32 @@ def test_bfloat16_and_empty_outputs_do_not_turn_the_fast_path_off():
     t, v = tensor_ops.new_host_tensor(tf.TensorShape([0]), tf.float32)
     assert t.shape == (0,) and v.size == 0
     assert tensor_ops.new_host_tensor(tf.TensorShape([4]), tf.float32) is not None
+
+
+@pytest.mark.parametrize("shape,dtype", [((5,), np.float32), ((2, 3), np.int64), ((), np.float64), ((0,), np.int8),
+                                         ((7,), np.float16)])
+def test_aligned_empty_starts_on_a_64_byte_boundary_with_the_shape_and_dtype(shape, dtype):
+    for _ in range(8):  # numpy's own allocations are only 16-byte aligned: try several
+        a = tensor_ops.aligned_empty(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+        assert a.size == 0 or a.ctypes.data % 64 == 0  # an empty array has no memory to share
+
+
+def test_in_a_function_inputs_arrive_without_a_copy_and_results_leave_without_one():
+    x = tf.constant(np.arange(1 << 16, dtype=np.float32))  # large enough for TF to align it
+    seen = {}
+
+    def fn(ins, outs):
+        seen["in"], seen["out"] = ins[0].ctypes.data, outs[0].ctypes.data
+        outs[0][...] = ins[0] + 1
+        return outs
+
+    @tf.function
+    def go(t):
+        y = tensor_ops.run_numpy(fn, [t], [t.dtype], [t.shape], into=True)[0]
+        return y, t  # both tensors' buffers are compared below
+
+    y, t = go(x)
+    np.testing.assert_array_equal(y.numpy(), np.arange(1 << 16) + 1)
+    assert seen["in"] == np.asarray(memoryview(t)).ctypes.data  # the input tensor's own memory
+    assert seen["out"] == np.asarray(memoryview(y)).ctypes.data  # the result became the output tensor

@@ -4,7 +4,7 @@ Data path of one ``batch_reduce`` (e.g. all gradients of a train step):
 
 1. local: each value's per-replica components are summed on the first local device (``tf.add_n``);
 2. across workers: in the graph, the local sums are concatenated into one flat tensor per dtype (cut
-   into ``bytes_per_pack`` buckets when asked); ONE stateful ``py_function`` runs one all-reduce per
+   into ``bytes_per_pack`` buckets when asked); ONE stateful ``numpy_function`` runs one all-reduce per
    flat buffer, written straight into the tensors it returns; the results are split and reshaped
    back in the graph (static shapes kept). (``_HOST_IN_PLACE`` hands host tensors over unconcatenated
    instead, ``allreduce_many``; measured slower, so off);
@@ -37,7 +37,7 @@ from . import tensor_ops
 #: True: host tensors reach the backend as they are (``allreduce_many``: no concat / split in the graph).
 #: Off: measured in one job (benchmarks/fusion_ab.py, reference CNN, 2 workers) it made the step 5-14 %
 #: slower than concat / split in the graph with the result written into the output tensors (TF's concat
-#: and split are cheaper than a py_function with one input and one output per gradient plus the ring's
+#: and split are cheaper than a graph callback with one input and one output per gradient plus the ring's
 #: extra chunk at each tensor boundary); 3 workers: 0-4 % slower.
 _HOST_IN_PLACE = False
 
@@ -158,7 +158,7 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
           One ``Mirrored`` value (or ``IndexedSlices`` per device) for each pair, in order.
 
         Raises:
-          CollectiveError: a subclass, from the collective (raised inside the py_function).
+          CollectiveError: a subclass, from the collective (raised inside the numpy_function).
           UnsupportedOperationError: called inside an XLA-compiled function.
         """
         merged = self._options(options)
@@ -200,10 +200,10 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
             return parts[0] if len(parts) == 1 else tf.add_n(parts)
 
     def _cross_worker_reduce(self, tensors, merged, backend, mean: bool) -> List[tf.Tensor]:
-        """All-reduce the tensors across workers in ONE py_function, one collective per fusion group
+        """All-reduce the tensors across workers in ONE numpy_function, one collective per fusion group
         (``fusion_groups``: one dtype, at most ``bytes_per_pack`` bytes), SUM, or MEAN when ``mean``.
 
-        Each group is concatenated into a flat tensor in the graph, the py_function writes each result
+        Each group is concatenated into a flat tensor in the graph, the numpy_function writes each result
         straight into the tensor it returns, and the results are split and reshaped back in the graph.
         With ``_HOST_IN_PLACE`` host tensors go in and come out as they are instead (the backend's
         ``allreduce_many`` reads and writes them where they are); measured slower, so off.
@@ -235,7 +235,7 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
 
         def call(b, arrs, outs=None):
             if outs is not None and getattr(b, "supports_out", False):
-                for a, o in zip(arrs, outs):  # straight into the tensors the py_function returns
+                for a, o in zip(arrs, outs):  # straight into the arrays that become the returned tensors
                     b.allreduce(a, op, timeout, out=o)
                 return outs
             reduced = [b.allreduce(a, op, timeout) for a in arrs]
