@@ -16,119 +16,14 @@ from ...core.backend import Backend, register_backend
 from ...core.reduce_ops import ReduceOp, finish_mean, needs_wide_accumulator
 from ...core.spans import Spans
 from ...rendezvous.cluster_env import join_host_port
-from ...errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
-                       PeerLostError, TfcsError, UnsupportedOperationError)
+from ...errors import CollectiveAbortedError, CollectiveError, PeerLostError, TfcsError, UnsupportedOperationError
 from . import links, liveness, shm_fusion, shm_memory, socket_transport, transport, wire
+from .ring_link import SINGLE, CollectiveLink
 
 log = logging.getLogger("tf_commstrategy")
 
 #: allreduce_many on the ring: arrays smaller than this are packed into one (each would cost a frame per step)
 PACK_BELOW_BYTES = 256 << 10
-
-
-class _Link:
-    """core.ring's link for one collective on one ring: adds seq + signature (and the ring's id to the
-    step), enforces the deadline. ``rank`` / ``size`` are this rank's position in that ring."""
-
-    def __init__(self, backend: "GrpcRingBackend", ring: "links.RingLinks", seq: int, sig: str, deadline: float,
-                 timeout: float, ring_id: Optional[int] = None):
-        self.rank = ring.rank
-        self.size = ring.size
-        self._b = backend
-        self._ring = ring
-        self._seq = seq
-        self._sig = sig.encode()
-        self._sig_text = sig
-        self._deadline = deadline
-        self._timeout = timeout
-        self._left = ring.left  # global rank
-        self._rid = ring.ring_id if ring_id is None else ring_id  # namespaces this phase's frames
-        self._subs: List["_Link"] = []
-
-    def on(self, ring: "links.RingLinks", phase_id: Optional[int] = None) -> "_Link":
-        """The same collective (seq, signature, deadline) on another ring of this rank; ``phase_id``
-        keeps a second phase on the same ring apart from the first."""
-        sub = _Link(self._b, ring, self._seq, self._sig_text, self._deadline, self._timeout, phase_id)
-        self._subs.append(sub)
-        return sub
-
-    def _abort(self):
-        """What a wait of this collective must raise now: another rank's reported failure, or (with
-        shared all-reduce buffers) a peer that entered this collective under another signature."""
-        fusion = self._b._fusion
-        return self._b.mailbox.error_now() or (fusion.conflict(self._seq, self._sig_text) if fusion else None)
-
-    @property
-    def seq(self) -> int:
-        return self._seq
-
-    @property
-    def deadline(self) -> float:
-        return self._deadline
-
-    def timeout_error(self, waiting_for: List[int]) -> CollectiveTimeoutError:
-        """The deadline passed in the shared-buffer all-reduce while ``waiting_for`` had not arrived."""
-        arrived, missing, detail = self._b.arrivals(self._seq, waiting_for[0])
-        return CollectiveTimeoutError(
-            f"collective #{self._seq} [{self._sig_text}] timed out after {self._timeout:g} s in the shared-memory "
-            f"all-reduce waiting for ranks {list(waiting_for)}: arrived: ranks {arrived}; not arrived: {detail}",
-            rank=self._b.rank, seq=self._seq, waiting_for=missing,
-            fix="a rank is missing, stuck, or calling a different sequence of collectives; check that every rank "
-                "runs the same code path, or raise the deadline (timeout=, "
-                "CommunicationOptions(timeout_seconds=...), TFCS_TIMEOUT)")
-
-    def send(self, key, payload) -> None:
-        self._ring.stream.send_frame(self._seq, links.wire_step(self._rid, key[0]), key[1], self._sig, payload)
-
-    def finish(self) -> None:
-        """The collective is done here: make sure our last frames left before the buffer is returned."""
-        for sub in self._subs:
-            sub.finish()
-        if self._ring.stream is None:
-            return
-        if self._ring.inbound is not None:
-            self._ring.inbound.release()
-        self._ring.stream.drain(max(0.1, self._deadline - time.monotonic()), abort=self._abort)
-
-    def recv_into(self, key, dst: np.ndarray):
-        """The payload for ``key``, read straight into ``dst`` (uint8) where the link can (a raw socket):
-        then the array returned is ``dst``; otherwise the caller copies it."""
-        return self.recv(key, into=dst)
-
-    def recv(self, key, into=None):
-        right = self._ring.stream
-        pump = getattr(right, "pump", None)  # an inline outbound writes queued frames while we wait
-        wkey = (self._seq, links.wire_step(self._rid, key[0]), key[1])
-        inbound = self._ring.inbound
-        if isinstance(inbound, socket_transport.SocketReceiver):  # a raw socket, read in this thread
-            item = inbound.take(wkey, self._deadline, self._sig, abort=self._abort, outbound=right, into=into)
-        elif inbound is not None:  # shared memory, read in this thread
-            item = inbound.take(wkey, self._deadline, self._sig, abort=self._abort, outbound=right)
-        else:
-            item = self._b.mailbox.take(wkey, self._deadline, self._left, self._sig,
-                                        health=right.broken if right is not None else None, pump=pump)
-        if item is None:
-            broken = right.broken() if right is not None else None
-            if broken is not None:
-                raise broken
-            arrived, missing, detail = self._b.arrivals(self._seq, self._left)
-            raise CollectiveTimeoutError(
-                f"collective #{self._seq} [{self._sig_text}] timed out after {self._timeout:g} s at step "
-                f"{key[0]} chunk {key[1]} waiting for rank {self._left}: arrived: ranks {arrived}; not arrived: "
-                f"{detail}", rank=self._b.rank, seq=self._seq, waiting_for=missing,
-                fix="a rank is missing, stuck, or calling a different sequence of collectives; check that "
-                    "every rank runs the same code path, or raise the deadline (timeout=, "
-                    "CommunicationOptions(timeout_seconds=...), TFCS_TIMEOUT)")
-        sig, payload = item
-        if sig != self._sig:
-            theirs = sig.decode(errors="replace")
-            raise CollectiveMismatchError(
-                f"collective #{self._seq} mismatch: this rank called [{self._sig_text}] but rank {self._left} "
-                f"called [{theirs}]", rank=self._b.rank, seq=self._seq, local_signature=self._sig_text,
-                remote_signature=theirs, remote_rank=self._left,
-                fix="every rank must issue the same collectives in the same order with the same op, dtype, "
-                    "shape and root")
-        return payload
 
 
 class GrpcRingBackend(Backend):
@@ -226,6 +121,11 @@ class GrpcRingBackend(Backend):
             if self.rank in leaders:
                 self._leader_ring = links.RingLinks(self, 2, leaders, requested)
 
+    @property
+    def fusion(self) -> Optional[shm_fusion.FusionBuffers]:
+        """The shared all-reduce buffers (every rank on one host, 3 or more), else None."""
+        return self._fusion
+
     def socket_server(self, kind: str):
         """This rank's server for ``kind`` ("unix" / "tcp") data connections, started on first use."""
         srv = self._socket_servers.get(kind)
@@ -315,7 +215,7 @@ class GrpcRingBackend(Backend):
             if self.size == 1:
                 return body(None)
             t0 = time.monotonic()
-            link = _Link(self, self._ring, seq, sig, t0 + timeout, timeout)
+            link = CollectiveLink(self, self._ring, seq, sig, t0 + timeout, timeout)
             if self._fusion is not None:
                 self._fusion.enter(seq, sig)
             try:
@@ -421,7 +321,7 @@ class GrpcRingBackend(Backend):
                 return flat.reshape(buf.shape)
             if link is not None and self.hierarchical:
                 return self._hierarchical_allreduce(link, flat, op, ce, src).reshape(buf.shape)
-            return ring.allreduce(link or _Single(), flat, op, ce, self.small_bytes, src=src).reshape(buf.shape)
+            return ring.allreduce(link or SINGLE, flat, op, ce, self.small_bytes, src=src).reshape(buf.shape)
         result = self._run(sig, timeout, body)
         return out if out is not None else result
 
@@ -505,7 +405,7 @@ class GrpcRingBackend(Backend):
         if wide:  # float16 / bfloat16: accumulate in float32 through both reductions, round once
             work = (src if src is not None else flat).astype(np.float32)
             src = None
-        ring.allreduce(link.on(self._host_ring) if self._host_ring.size > 1 else _Single(), work, inner,
+        ring.allreduce(link.on(self._host_ring) if self._host_ring.size > 1 else SINGLE, work, inner,
                        self._chunk_elems(work.dtype), src=src)
         if self._leader_ring is not None and self._leader_ring.size > 1:
             ring.allreduce(link.on(self._leader_ring), work, inner, self._chunk_elems(work.dtype))
@@ -528,7 +428,7 @@ class GrpcRingBackend(Backend):
         ce = self._chunk_elems(buf.dtype, op)
 
         def body(link):
-            lo, hi = ring.reduce_scatter(link or _Single(), flat, op, rows, row_elems, ce)
+            lo, hi = ring.reduce_scatter(link or SINGLE, flat, op, rows, row_elems, ce)
             return flat[lo:hi].reshape((-1,) + tuple(buf.shape[1:])).copy()
         return self._run(sig, timeout, body)
 
@@ -538,7 +438,7 @@ class GrpcRingBackend(Backend):
         ce = self._chunk_elems(buf.dtype)
 
         def body(link):
-            return ring.broadcast(link or _Single(), flat, root, ce).reshape(buf.shape)
+            return ring.broadcast(link or SINGLE, flat, root, ce).reshape(buf.shape)
         return self._run(sig, timeout, body)
 
     def allgather(self, buf: np.ndarray, timeout=None) -> np.ndarray:
@@ -555,7 +455,7 @@ class GrpcRingBackend(Backend):
         ce = self._chunk_elems(buf.dtype)
 
         def body(link):
-            return ring.allgather(link or _Single(), out, elems, ce).reshape((sum(counts),) + trailing)
+            return ring.allgather(link or SINGLE, out, elems, ce).reshape((sum(counts),) + trailing)
         return self._run(sig, timeout, body)
 
     def _allgather_counts(self, rows: int, trailing, dtype, timeout) -> List[int]:
@@ -609,12 +509,6 @@ class GrpcRingBackend(Backend):
         for srv in self._socket_servers.values():
             srv.stop()
         self._socket_servers = {}
-
-
-class _Single:
-    """The link of a world of one: ring functions then do no communication at all."""
-    rank = 0
-    size = 1
 
 
 register_backend("grpc", GrpcRingBackend)
