@@ -156,3 +156,26 @@ def finish_mean(buf: np.ndarray, world_size: int) -> None:
         buf[...] = buf.astype(np.float32) / np.float32(world_size)
     else:
         np.divide(buf, buf.dtype.type(world_size), out=buf)
+
+
+def reduce_in_rank_order(blocks, op: ReduceOp) -> np.ndarray:
+    """Every rank's values combined locally, rank 0 first: the same bits wherever it runs.
+
+    float16 / bfloat16 sums, means and products are accumulated in float32; a MEAN is divided by
+    ``len(blocks)``.
+
+    Args:
+      blocks: one array per rank, in rank order, same shape and dtype; only read.
+      op: the reduction.
+
+    Returns:
+      A new array: the reduction, in the float32 accumulator where one was needed (the caller rounds
+      it when it writes the result into an array of the blocks' dtype).
+    """
+    wide = needs_wide_accumulator(blocks[0].dtype, op)
+    acc = blocks[0].astype(np.float32) if wide else blocks[0].copy()
+    for other in blocks[1:]:
+        combine_into(acc, other.astype(np.float32) if wide else other, op)
+    if op is ReduceOp.MEAN:
+        finish_mean(acc, len(blocks))
+    return acc

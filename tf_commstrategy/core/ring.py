@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from .reduce_ops import ReduceOp, combine_into, combine_to, finish_mean, needs_wide_accumulator
+from .reduce_ops import ReduceOp, combine_into, combine_to, finish_mean, needs_wide_accumulator, reduce_in_rank_order
 
 
 def chunk_ranges(lo: int, hi: int, chunk_elems: int, cuts: Sequence[int] = ()) -> List[Tuple[int, int]]:
@@ -167,14 +167,7 @@ def allreduce_by_allgather(link, flat: np.ndarray, op: ReduceOp, chunk_elems: in
     gathered = np.empty(n * W, dtype=flat.dtype)
     gathered[r * n:(r + 1) * n] = flat
     allgather(link, gathered, [n] * W, chunk_elems)
-    blocks = gathered.reshape(W, n)
-    wide = needs_wide_accumulator(flat.dtype, op)
-    acc = blocks[0].astype(np.float32) if wide else blocks[0].copy()
-    for i in range(1, W):
-        combine_into(acc, blocks[i].astype(np.float32) if wide else blocks[i], op)
-    if op is ReduceOp.MEAN:
-        finish_mean(acc, W)
-    flat[...] = acc
+    flat[...] = reduce_in_rank_order(gathered.reshape(W, n), op)
     return flat
 
 

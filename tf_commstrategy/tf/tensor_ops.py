@@ -194,34 +194,33 @@ def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Seque
         return [o if isinstance(o, tf.Tensor) else tf.convert_to_tensor(o, dtype=d)
                 for o, d in zip(run(ts), out_dtypes)]
 
-    def body(*ts):
-        try:
-            return run(ts)
-        except TfcsError as e:
-            errors_seen.record(e)
-            raise
-
-    def np_body(*arrays):
+    def run_arrays(arrays):  # numpy_function: views of the tensors' memory, writable as TF hands them over
         ins = []
-        for a in arrays:  # views of the tensors' memory, writable as TF hands them over: never written
+        for a in arrays:
             v = np.asarray(a).view()
-            v.flags.writeable = False
+            v.flags.writeable = False  # never written
             ins.append(v)
-        try:
-            if into:
-                outs = [aligned_empty(a.shape, a.dtype) for a in ins]  # become the result tensors, no copy
-                fn(ins, outs)
-                return outs
-            return [np.asarray(o) for o in fn(ins)]
-        except TfcsError as e:
-            errors_seen.record(e)
-            raise
+        if into:
+            outs = [aligned_empty(a.shape, a.dtype) for a in ins]  # become the result tensors, no copy
+            fn(ins, outs)
+            return outs
+        return [np.asarray(o) for o in fn(ins)]
+
+    def recording(body):  # TF wraps what a callback raises: note ours for unwrap_errors
+        def call(*args):
+            try:
+                return body(args)
+            except TfcsError as e:
+                errors_seen.record(e)
+                raise
+        return call
 
     with tf.device(HOST):
         if _NUMPY_FUNCTION:
-            outs = tf.numpy_function(np_body, list(tensors), list(out_dtypes), stateful=True, name=name)
+            outs = tf.numpy_function(recording(run_arrays), list(tensors), list(out_dtypes), stateful=True,
+                                     name=name)
         else:
-            outs = tf.py_function(body, list(tensors), list(out_dtypes), name=name)
+            outs = tf.py_function(recording(run), list(tensors), list(out_dtypes), name=name)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     for o, s in zip(outs, out_shapes):

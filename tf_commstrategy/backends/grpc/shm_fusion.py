@@ -62,7 +62,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ...core.reduce_ops import ReduceOp, combine_into, finish_mean, needs_wide_accumulator
+from ...core.reduce_ops import ReduceOp, combine_into, finish_mean, needs_wide_accumulator, reduce_in_rank_order
 from ...core.ring import even_bounds
 from ...core.spans import Spans
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
@@ -380,16 +380,7 @@ class FusionBuffers:
                     raise problem
                 self._mismatch(q, seq, sig, 0, n, t_seq, bytes(their[at + 64:at + 64 + min(t_len, SIG_MAX)]), 0,
                                t_n)
-        if needs_wide_accumulator(dtype, op):
-            acc = slots[0].astype(np.float32)
-            for other in slots[1:]:
-                combine_into(acc, other.astype(np.float32), op)
-        else:
-            acc = slots[0].copy()
-            for other in slots[1:]:
-                combine_into(acc, other, op)
-        if op is ReduceOp.MEAN:
-            finish_mean(acc, self.size)
+        acc = reduce_in_rank_order(slots, op)
         fence()
         self._ctl[r][DONE] = g  # my reads of the peers' slots are over
         self._ring_peers()
