@@ -56,9 +56,56 @@ def test_tf_config_malformed():
 
 
 @pytest.mark.parametrize("nodelist,first", [("node01", "node01"), ("gpu[03-05,9]", "gpu03"),
-                                            ("a[7],b[1-2]", "a7"), ("host-1,host-2", "host-1")])
+                                            ("a[7],b[1-2]", "a7"), ("host-1,host-2", "host-1"),
+                                            ("rack[1-2]-node[01-04]", "rack1-node01"), ("node[1-2]-ib", "node1-ib"),
+                                            ("gpu[003-004],cpu[1-2]-x", "gpu003")])
 def test_slurm_nodelist_first_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
+
+
+@pytest.mark.parametrize("nodelist", ["n[1-2", "n]1[", "", "n[[1]]"])
+def test_slurm_nodelist_that_cannot_be_parsed(nodelist):
+    with pytest.raises(ConfigurationError, match="TFCS_COORDINATOR"):
+        first_slurm_host(nodelist)
+
+
+_SLURM_STEP = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "n[1-2]",
+               "SLURM_JOB_ID": "7"}
+
+
+def test_mpirun_inside_a_slurm_allocation_takes_the_mpi_rank():
+    # the processes inherit the batch step's SLURM_PROCID; mpirun's own variables are their rank
+    env = dict(_SLURM_STEP, OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="1",
+               MASTER_ADDR="n1", MASTER_PORT="5000")
+    s = resolve_cluster(environ=env)
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator, s.source) == (3, 4, 1, "n1:5000", "Open MPI")
+
+
+def test_torchrun_under_srun_takes_torchruns_rank():
+    # srun -N2 torchrun --nproc-per-node 4: SLURM_PROCID is the node's torchrun, RANK the worker
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]", "RANK": "6", "WORLD_SIZE": "8",
+           "LOCAL_RANK": "2", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    s = resolve_cluster(environ=env)
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (6, 8, 2, "n1:29500")
+
+
+@pytest.mark.parametrize("mpi", [{"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1"},
+                                 {"MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_SIZE": "4",
+                                  "MV2_COMM_WORLD_LOCAL_RANK": "1"}])
+def test_mpich_intel_mpi_and_mvapich_ranks(mpi):
+    with pytest.raises(ConfigurationError, match="TFCS_COORDINATOR"):  # mpiexec knows no host to use
+        resolve_cluster(environ=mpi)
+    s = resolve_cluster(environ=dict(mpi, TFCS_COORDINATOR="head:5000"))
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (3, 4, 1, "head:5000")
+
+
+def test_srun_with_pmi_uses_slurms_coordinator_when_slurm_agrees():
+    env = dict(_SLURM_STEP, SLURM_PROCID="3", SLURM_LOCALID="1", PMI_RANK="3", PMI_SIZE="4")
+    s = resolve_cluster(environ=env)
+    assert (s.rank, s.world_size, s.coordinator) == (3, 4, "n1:29407")
+    # Slurm disagrees (mpiexec inside an allocation): its host is not this job's rank 0
+    with pytest.raises(ConfigurationError, match="TFCS_COORDINATOR"):
+        resolve_cluster(environ=dict(env, SLURM_PROCID="0"))
 
 
 def test_slurm_variables_and_port():

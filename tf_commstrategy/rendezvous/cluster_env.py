@@ -6,12 +6,18 @@ Sources, first match wins (each field given explicitly always overrides):
 2. ``TFCS_RANK``, ``TFCS_WORLD_SIZE``, ``TFCS_LOCAL_RANK``, ``TFCS_COORDINATOR`` (``tfcs-run`` sets these);
 3. ``TF_CONFIG`` (Kubernetes / Kubeflow TFJob): ranks are chief first, then workers in order; the
    chief (or worker 0) hosts the coordinator on its own cluster-spec address;
-4. Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``): coordinator on the first host of
-   the step (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``), port ``TFCS_COORDINATOR_PORT`` or
-   ``29400 + (SLURM_JOB_ID + SLURM_STEP_ID) % 1000``;
-5. Open MPI (``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``): coordinator from ``TFCS_COORDINATOR``
+4. Open MPI (``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``): coordinator from ``TFCS_COORDINATOR``
    or ``MASTER_ADDR``/``MASTER_PORT`` (mpirun knows no host to use);
-6. torchrun style ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+5. MVAPICH2 (``MV2_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``), then MPICH and Intel MPI
+   (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``): coordinator as for Open MPI;
+6. torchrun style ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
+7. Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``): coordinator on the first host of
+   the step (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``), port ``TFCS_COORDINATOR_PORT`` or
+   ``29400 + (SLURM_JOB_ID + SLURM_STEP_ID) % 1000``.
+
+Launchers that start the processes themselves (4-6) come before Slurm, whose variables their
+processes inherit inside an allocation. When srun itself started the processes and an MPI source
+matched without a coordinator, Slurm's coordinator is used if Slurm agrees on rank and size.
 
 Nothing found means a single process (rank 0 of 1), which needs no coordinator.
 """
@@ -113,7 +119,10 @@ def join_host_port(host: str, port: int) -> str:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm nodelist: 'gpu[03-05,9],cpu1' -> 'gpu03'.
+    """First host of a Slurm nodelist: 'gpu[03-05,9],cpu1' -> 'gpu03', 'rack[1-2]-n[01-04]' -> 'rack1-n01'.
+
+    The first comma-separated entry outside brackets, with each bracket group replaced by the first
+    value of its first range (zero padding kept), and the text between and after the groups kept.
 
     Args:
       nodelist: ``SLURM_JOB_NODELIST``.
@@ -124,16 +133,20 @@ def first_slurm_host(nodelist: str) -> str:
     Raises:
       ConfigurationError: the list cannot be parsed.
     """
-    nodelist = nodelist.strip()
-    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
-    if not m:
+    text = nodelist.strip()
+    depth, end, balanced = 0, len(text), True
+    for i, ch in enumerate(text):
+        if ch == "," and depth == 0:
+            end = i
+            break
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        balanced = balanced and depth in (0, 1)
+    entry = text[:end]
+    host = re.sub(r"\[([^\[\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0].strip(), entry)
+    if not balanced or depth != 0 or not host or re.search(r"[\[\],\s]", host):
         raise ConfigurationError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}",
                                  fix="set TFCS_COORDINATOR=host:port explicitly")
-    prefix, _, ranges = m.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return host
 
 
 def _int(env, name):
@@ -212,6 +225,17 @@ def _from_ompi(env):
     return _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"), local, _master(env), "Open MPI"
 
 
+def _from_pmi(env):
+    # MPICH / Intel MPI (Hydra: PMI_RANK, PMI_SIZE, MPI_LOCALRANKID) and MVAPICH2 (MV2_COMM_WORLD_*)
+    for rank_v, size_v, local_v, name in (("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
+                                           "MVAPICH"),
+                                          ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPICH/Intel MPI (PMI)")):
+        if rank_v in env and size_v in env:
+            local = _int(env, local_v) if local_v in env else None
+            return _int(env, rank_v), _int(env, size_v), local, _master(env), name
+    return None
+
+
 def _from_torchrun(env):
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
@@ -219,7 +243,10 @@ def _from_torchrun(env):
     return _int(env, "RANK"), _int(env, "WORLD_SIZE"), local, _master(env), "torchrun-style RANK/WORLD_SIZE"
 
 
-_SOURCES = (_from_tfcs, _from_tf_config, _from_slurm, _from_ompi, _from_torchrun)
+# Launchers that start the processes themselves come before Slurm: mpirun, mpiexec or torchrun run
+# inside a Slurm allocation, and their processes inherit the SLURM_PROCID of the batch step or of
+# the srun that started the launcher's daemons, which is not their rank.
+_SOURCES = (_from_tfcs, _from_tf_config, _from_ompi, _from_pmi, _from_torchrun, _from_slurm)
 
 
 def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None,
@@ -227,8 +254,8 @@ def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None
                     environ: Optional[Mapping[str, str]] = None) -> ClusterSpec:
     """Combine explicit arguments with the first environment source that defines a rank.
 
-    Sources, first match wins: ``TFCS_*``, ``TF_CONFIG``, Slurm, Open MPI, torchrun-style variables;
-    none means a single process. ``TFCS_COORDINATOR`` overrides the coordinator of any source.
+    Sources, first match wins: ``TFCS_*``, ``TF_CONFIG``, Open MPI, MVAPICH / MPICH / Intel MPI,
+    torchrun-style variables, Slurm; none means a single process. ``TFCS_COORDINATOR`` overrides the coordinator of any source.
 
     Args:
       rank: overrides the environment's rank (give ``world_size`` too).
@@ -252,6 +279,12 @@ def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None
     if found is None:
         found = (0, 1, None, None, "default (single process)")  # local rank 0 only if alone (below)
     src_rank, src_size, src_local, src_coord, source = found
+    if src_coord is None and source != "Slurm":
+        # srun started these processes itself (srun --mpi=pmi2 / pmix sets the MPI variables too): the
+        # Slurm variables then agree on rank and size and know the coordinator's host
+        slurm = _from_slurm(env)
+        if slurm is not None and slurm[:2] == (src_rank, src_size):
+            src_coord = slurm[3]
     explicit = rank is not None or world_size is not None
     if explicit and (rank is None or world_size is None) and source.startswith("default"):
         raise ConfigurationError("init() got only one of rank= and world_size=",
