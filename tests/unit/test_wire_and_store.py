@@ -128,3 +128,43 @@ def test_unreachable_coordinator_names_the_address():
     with pytest.raises(RendezvousError, match=f"127.0.0.1:{port} within 1 s"):
         c.wait_ready(1.0)
     assert time.monotonic() - t0 < 10
+
+
+def test_coordinator_gone_during_the_meeting_is_reported_as_such():
+    # rank 0's coordinator stops while rank 1 waits for the others: the error names the coordinator,
+    # not every rank of the job as "did not join"
+    from tf_commstrategy.rendezvous.cluster_env import ClusterSpec
+    from tf_commstrategy.rendezvous.rendezvous import _gather_workers
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    srv = CoordinatorServer(address, world_size=3)
+    c = CoordinatorClient(address, 1)
+    c.wait_ready(5)
+    c.set("worker/1", "{}")
+    srv.stop()
+    spec = ClusterSpec(rank=1, world_size=3, local_rank=None, coordinator=address, source="test")
+    with pytest.raises(RendezvousError) as info:
+        _gather_workers(c, spec, 30.0, time.monotonic() + 30.0)
+    text = str(info.value)
+    assert "did not join" not in text and f"coordinator call Get to {address} failed" in text, text
+    assert "rank 0" in text
+    c.close()
+
+
+def test_missing_ranks_are_named_while_the_coordinator_answers():
+    from tf_commstrategy.rendezvous.cluster_env import ClusterSpec
+    from tf_commstrategy.rendezvous.rendezvous import _gather_workers
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    srv = CoordinatorServer(address, world_size=3)
+    try:
+        c = CoordinatorClient(address, 1)
+        c.wait_ready(5)
+        c.set("worker/1", "{}")
+        spec = ClusterSpec(rank=1, world_size=3, local_rank=None, coordinator=address, source="test")
+        with pytest.raises(RendezvousError, match=r"rank\(s\) \[0, 2\] of a job of 3 did not join"):
+            _gather_workers(c, spec, 0.3, time.monotonic() + 0.3)
+        assert c.try_get("worker/1") == "{}" and c.try_get("worker/2") is None
+        c.close()
+    finally:
+        srv.stop()

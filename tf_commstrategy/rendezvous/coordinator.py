@@ -273,6 +273,22 @@ class CoordinatorClient:
                                       fix="a worker did not start or crashed before publishing; check every "
                                           "rank's log and that all ranks use the same world size")
 
+    def try_get(self, key: str, timeout: float = 10.0) -> Optional[str]:
+        """The value under ``key`` now, or None when it is not set (no waiting for it).
+
+        Args:
+          key: the key.
+          timeout: seconds for the call.
+
+        Returns:
+          The value, or None.
+
+        Raises:
+          RendezvousError: the call failed (the coordinator is gone), or the job token was rejected.
+        """
+        r = self._call("Get", {"key": key, "wait_s": 0.0}, timeout=timeout)
+        return r["value"] if r["found"] else None
+
     def barrier(self, name: str, world: int, timeout: float) -> None:
         """Return once ``world`` ranks have entered the barrier ``name``.
 

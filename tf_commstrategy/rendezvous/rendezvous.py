@@ -151,12 +151,9 @@ def _gather_workers(store, spec: ClusterSpec, timeout: float, end: float) -> Lis
         try:
             found.append(store.get(f"worker/{i}", max(0.0, end - time.monotonic())))
         except RendezvousError:
-            missing = []
-            for j in range(i, spec.world_size):
-                try:
-                    store.get(f"worker/{j}", 0.0)
-                except RendezvousError:
-                    missing.append(j)
+            # a failed call (rank 0's coordinator gone) raises its own error here, naming the coordinator;
+            # only keys the coordinator says are not set count as missing ranks
+            missing = [j for j in range(i, spec.world_size) if store.try_get(f"worker/{j}") is None]
             raise RendezvousError(
                 f"rank(s) {missing} of a job of {spec.world_size} did not join within {timeout:.0f} s",
                 rank=spec.rank, address=spec.coordinator,
