@@ -198,3 +198,121 @@ def test_an_ipv6_coordinator_and_data_path(transport):
 def test_usage_errors():
     r = _run(["-np", "2"])
     assert r.returncode == 2 and "no command" in r.stderr
+
+
+def test_the_first_worker_to_fail_is_named_not_the_lowest_rank(tmp_path):
+    # rank 1 fails; rank 0 notices within a millisecond and exits 1 itself (as a worker raising
+    # PeerLostError does): the job's code and message are rank 1's
+    pidfile = tmp_path / "pid1"
+    s = _script(tmp_path, f"""
+        import os, sys, time
+        path = {str(pidfile)!r}
+        if os.environ["TFCS_RANK"] == "1":
+            time.sleep(0.3)
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(path + ".tmp", path)
+            os._exit(7)
+        while not os.path.exists(path):
+            time.sleep(0.0005)
+        pid = int(open(path).read())
+        def dead():
+            try:
+                with open(f"/proc/{{pid}}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            except OSError:
+                return True
+        while not dead():
+            time.sleep(0.0005)
+        os._exit(1)
+    """)
+    for _ in range(3):
+        r = _run(["-np", "2", sys.executable, s], timeout=60)
+        assert r.returncode == 7, r.stderr
+        assert "job failed: rank 1 exited with code 7 (first failure)" in r.stderr, r.stderr
+        pidfile.unlink()
+
+
+def test_workers_are_stopped_when_tfcs_run_is_killed(tmp_path):
+    pidfile = tmp_path / "pids"
+    s = _script(tmp_path, f"""
+        import os, time
+        with open({str(pidfile)!r}, "a") as f:
+            f.write(str(os.getpid()) + "\\n")
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    p = subprocess.Popen(RUN + ["-np", "2", sys.executable, s], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    for _ in range(2):
+        assert "ready" in p.stdout.readline()
+    p.kill()
+    p.wait(timeout=10)
+    pids = list(map(int, pidfile.read_text().split()))
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived a SIGKILLed tfcs-run"
+
+
+def test_a_command_that_does_not_exist_is_reported_at_once():
+    r = _run(["-np", "2", "no-such-program-tfcs"], timeout=60)
+    assert r.returncode == 127 and "cannot start 'no-such-program-tfcs'" in r.stderr, r.stderr
+
+
+def test_a_child_holding_the_output_pipe_does_not_delay_the_exit(tmp_path):
+    # a worker starts a server in a session of its own (out of reach of the job's cleanup) that keeps
+    # the worker's stdout: tfcs-run waits for the output once, not once per pipe
+    pidfile = tmp_path / "child"
+    s = _script(tmp_path, f"""
+        import os, subprocess
+        c = subprocess.Popen(["sleep", "30"], start_new_session=True)
+        with open({str(pidfile)!r}, "a") as f:
+            f.write(str(c.pid) + "\\n")
+    """)
+    t0 = time.monotonic()
+    try:
+        r = _run(["-np", "2", sys.executable, s], timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        for pid in map(int, pidfile.read_text().split()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert r.returncode == 0, r.stderr
+    assert took < 15, f"tfcs-run took {took:.1f} s to exit"
+
+
+def test_segments_of_a_worker_behind_a_shell_are_removed(tmp_path):
+    # the worker is a shell running python: the segment carries python's pid, not the worker's
+    from tf_commstrategy.backends.grpc.shm_memory import SHM_DIR
+    s = _script(tmp_path, """
+        import os, signal
+        from tf_commstrategy.backends.grpc.shm_memory import Segment
+        seg = Segment.create(4096, "launchertest")
+        print(os.path.basename(seg.path), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # dies before anyone unlinks it
+    """)
+    r = _run(["-np", "1", "--no-prefix", "sh", "-c", f"cd {ROOT} && {sys.executable} {s}"], timeout=60)
+    names = r.stdout.split()
+    assert len(names) == 1 and names[0].startswith("tfcs-shm-"), (r.stdout, r.stderr)
+    assert not os.path.exists(os.path.join(SHM_DIR, names[0])), "segment left behind"
+
+
+def test_coordinator_port_is_outside_the_ephemeral_range():
+    from tf_commstrategy.launcher.run import _ephemeral_range, _free_port
+    lo, hi = _ephemeral_range()
+    for _ in range(20):
+        port = _free_port()
+        assert not lo <= port <= hi, (port, lo, hi)

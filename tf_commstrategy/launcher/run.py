@@ -13,7 +13,8 @@ With ``--max-restarts K`` the whole job is started again after a failure, up to 
 ``TFCS_RESTART_COUNT``; with ``tf_keras.callbacks.BackupAndRestore`` training resumes from the last
 finished epoch). SIGINT / SIGTERM / SIGHUP sent to ``tfcs-run`` are forwarded to every worker and
 end the job without restarts; workers still running ``GRACE_S`` seconds later are stopped (SIGTERM,
-then SIGKILL), and a second signal kills them at once. Output sent to a closed reader
+then SIGKILL), and a second signal kills them at once. If ``tfcs-run`` itself dies, even by SIGKILL,
+every worker gets SIGTERM (Linux: ``PR_SET_PDEATHSIG``, set before the worker's program starts). Output sent to a closed reader
 (``tfcs-run ... | head``) is discarded, so workers never block writing it.
 """
 
@@ -21,14 +22,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..rendezvous.cluster_env import join_host_port
 
@@ -36,10 +39,58 @@ GRACE_S = 10.0          # SIGTERM -> SIGKILL
 SURVIVOR_GRACE_S = 20.0  # first failure -> SIGTERM to the rest (they usually report and exit by themselves)
 
 
+def _ephemeral_range() -> Tuple[int, int]:
+    """The ports the kernel hands out to unbound sockets (Linux; a common default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = map(int, f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    """A port free now and outside the ephemeral range: rank 0 binds it seconds later, after its
+    imports, and meanwhile the other workers keep dialling it; a port the kernel may give to an
+    outgoing connection (theirs included) could be taken in between."""
+    lo, hi = _ephemeral_range()
+    candidates = list(range(20000, lo)) if lo > 21000 else list(range(hi + 1, 65536))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as s:  # everything tried is in use: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# Run between fork and the worker's program (Linux): the worker gets SIGTERM when tfcs-run dies, even
+# by SIGKILL, so no worker trains on alone. Plain exec afterwards: the worker's pid, environment and
+# arguments are its own. (preexec_fn is not safe here: the output pumps are threads.)
+_DEATH_SIGNAL_SHIM = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):  # tfcs-run died before the line above
+    sys.exit(128 + int(signal.SIGTERM))
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:
+    sys.stderr.write(f"tfcs-run: cannot start {sys.argv[2]!r}: {e}\\n")
+    sys.exit(127)
+"""
+
+
+def _worker_argv(command: List[str]) -> List[str]:
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-E", "-c", _DEATH_SIGNAL_SHIM, str(os.getpid())] + list(command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +167,21 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
+def _group_is_ours(p: subprocess.Popen) -> bool:
+    """False when the worker was reaped and its pid is in use again: the kernel reuses no pid that
+    still names a process group with members, so the worker's group is empty and a group of that
+    number now is somebody else's."""
+    if p.poll() is None:
+        return True
+    try:
+        os.kill(p.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -134,6 +200,8 @@ class Job:
         """Send ``sig`` to the process group of every running worker (``groups``: of every worker, also
         those that exited: what they started may still run there)."""
         for p in self.procs:
+            if not _group_is_ours(p):
+                continue
             if groups or p.poll() is None:
                 try:
                     os.killpg(p.pid, sig)
@@ -142,6 +210,8 @@ class Job:
 
     def _groups_alive(self) -> bool:
         for p in self.procs:
+            if not _group_is_ours(p):
+                continue
             try:
                 os.killpg(p.pid, 0)
                 return True
@@ -204,17 +274,28 @@ def run(argv: Optional[List[str]] = None) -> int:
 
 def _run_once(args, command, base: dict, attempt: int, job_box: list, received: list) -> int:
     """Start the workers once and wait for them; returns the job's exit code."""
+    if os.sep not in command[0] and shutil.which(command[0], path=base.get("PATH")) is None:
+        _say(f"tfcs-run: cannot start {command[0]!r}: not found on PATH")
+        return 127
     host = args.host or "127.0.0.1"
     port = args.port or _free_port(host)
     coordinator = join_host_port(host, port)
     lock = threading.Lock()
-    procs, pumps = [], []
+    procs, threads = [], []
+    exits: List[Tuple[int, int]] = []  # (rank, code) in the order the workers exited
+    exits_lock = threading.Lock()
+
+    def wait_for(rank: int, p: subprocess.Popen) -> None:
+        code = p.wait()
+        with exits_lock:
+            exits.append((rank, code))
+
     job = Job(procs)
     job_box[:] = [job]
     for rank in range(args.np):
         env = worker_env(base, rank, args.np, coordinator, args, restart=attempt)
         try:
-            p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            p = subprocess.Popen(_worker_argv(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             _say(f"tfcs-run: cannot start {command[0]!r}: {e}")
@@ -223,9 +304,9 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
         procs.append(p)
         prefix = b"" if args.no_prefix else f"[{rank}] ".encode()
         for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True)
-            t.start()
-            pumps.append(t)
+            threads.append(threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True))
+            threads[-1].start()
+        threading.Thread(target=wait_for, args=(rank, p), daemon=True).start()
     exit_code = 0
     signalled_at = None
     try:
@@ -235,10 +316,11 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
             if signalled_at is not None and time.monotonic() - signalled_at > GRACE_S:
                 _say(f"tfcs-run: workers still running {GRACE_S:g} s after the signal; stopping them")
                 job.stop(grace=2.0)
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            with exits_lock:
+                done = list(exits)
+            failed = [(r, c) for r, c in done if c != 0]
             if failed:
-                rank, code = failed[0]
+                rank, code = failed[0]  # the first to exit with an error, not the lowest rank
                 exit_code = 128 - code if code < 0 else code
                 if received:
                     job.stop()
@@ -258,25 +340,27 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
                 others = [f"rank {r} {_describe(p.returncode)}" for r, p in enumerate(procs) if r != rank]
                 _say(f"tfcs-run: job failed: rank {rank} {_describe(code)} (first failure); " + "; ".join(others))
                 break
-            if all(c == 0 for c in codes):
-                break
-            if received and all(c is not None for c in codes):
+            if len(done) == len(procs):
                 break
             time.sleep(0.05)
     finally:
         job.stop(grace=2.0)  # what the workers left in their groups (and all of them, on an exception here)
-        for t in pumps:
-            t.join(timeout=5)
+        end = time.monotonic() + 5.0  # output still buffered; a pipe a worker's child holds open is left
+        for t in threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))
         _remove_segments_of({p.pid for p in procs})
     return exit_code
 
 
 def _remove_segments_of(pids) -> None:
     """Shared-memory segments are unlinked by the workers once mapped; a worker killed during that
-    window leaves one behind, which is removed here once the job is over."""
+    window leaves one behind, which is removed here once the job is over (with every other segment of
+    this user whose creator is dead)."""
     try:
         from ..backends.grpc.shm_memory import remove_stale_segments
-        n = remove_stale_segments(only_pids=set(pids))
+        # the workers' own segments, then those of any process that died (a worker behind a shell
+        # or a wrapper script creates its segments under its own pid, not the one tfcs-run knows)
+        n = remove_stale_segments(only_pids=set(pids)) + remove_stale_segments()
     except Exception:  # pragma: no cover - cleanup must never hide the job's own exit code
         return
     if n:
