@@ -55,3 +55,33 @@ def test_bfloat16_rounding_keeps_nans_and_matches_ml_dtypes():
                                                                                          3.4e38, 1e-40])])
     want = x.astype(ml_dtypes.bfloat16).view(np.uint16)  # round to nearest even
     np.testing.assert_array_equal(bf16_bits_from_f32(x, np), want)
+
+
+class _FakeNccl:
+    class NcclError(RuntimeError):
+        pass
+
+
+class _FakeComm:
+    def __init__(self, error):
+        self.error, self.aborted = error, False
+
+    def check_async_error(self):
+        raise self.error
+
+    def abort(self):
+        self.aborted = True
+
+
+@pytest.mark.parametrize("error,text", [(KeyError(6), "ncclRemoteError"),  # cupy 13.0-13.3 (cupy#8661)
+                                        (_FakeNccl.NcclError("NCCL_ERROR_REMOTE_ERROR: remote process exited"),
+                                         "NCCL_ERROR_REMOTE_ERROR")])
+def test_an_asynchronous_nccl_error_aborts_the_communicator_and_is_typed(error, text):
+    from tf_commstrategy.backends.nccl.communicator import Communicator
+    from tf_commstrategy.errors import CollectiveError
+    comm = _FakeComm(error)
+    c = Communicator(_FakeNccl, comm, 0, 1, 0, 2)
+    with pytest.raises(CollectiveError, match=text) as info:
+        c.check_async("allreduce op=sum", 5)
+    assert comm.aborted and c.comm is None
+    assert info.value.rank == 0 and info.value.seq == 5

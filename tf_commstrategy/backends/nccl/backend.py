@@ -30,7 +30,7 @@ from ...core.backend import Backend
 from ...core.reduce_ops import ReduceOp
 from ...errors import CollectiveError, CollectiveMismatchError, TfcsError, UnsupportedOperationError
 from . import buffers as bufmod
-from .communicator import Communicator
+from .communicator import Communicator, describe_nccl_error, is_remote_error
 from .types import nccl_dtype, nccl_op
 
 log = logging.getLogger("tf_commstrategy")
@@ -124,7 +124,7 @@ class NcclBackend(Backend):
     def _run(self, sig: str, device_id: int, timeout: Optional[float], body: Callable, check: bool = True):
         """Run one collective: ``body(comm, stream, seq, deadline)`` queues the work and returns the result."""
         import cupy
-        timeout = self.group.timeout if timeout is None else float(timeout)
+        timeout = config.call_timeout(timeout, self.group.timeout, self.rank)
         with self._lock:
             if self._failed is not None:
                 raise CollectiveError(f"the nccl backend is unusable after an earlier error: {self._failed}",
@@ -145,16 +145,16 @@ class NcclBackend(Backend):
             except TfcsError as e:
                 self._fail(e)
                 raise
-            except self._nccl.NcclError as e:
-                err = CollectiveError(f"NCCL failed in collective #{seq} [{sig}]: {e}", rank=self.rank, seq=seq,
-                                      fix="NCCL_DEBUG=WARN prints NCCL's own diagnosis")
-                self._fail(err)
-                raise err from e
-            except Exception as e:  # out of GPU memory, a size cupy cannot pass, ...: the peers may have
-                # queued this collective already; this rank must not go on to pair its next one with it
-                err = CollectiveError(f"collective #{seq} [{sig}] failed on this rank before NCCL ran it: "
-                                      f"{type(e).__name__}: {e}", rank=self.rank, seq=seq,
-                                      fix="see the cause above; the job must be restarted (tfcs-run --max-restarts)")
+            except Exception as e:
+                if isinstance(e, self._nccl.NcclError) or is_remote_error(e):
+                    err = CollectiveError(f"NCCL failed in collective #{seq} [{sig}]: {describe_nccl_error(e)}",
+                                          rank=self.rank, seq=seq, fix="NCCL_DEBUG=WARN prints NCCL's own diagnosis")
+                else:  # out of GPU memory, a size cupy cannot pass, ...: the peers may have queued this
+                    # collective already; this rank must not go on to pair its next one with it
+                    err = CollectiveError(f"collective #{seq} [{sig}] failed on this rank before NCCL ran it: "
+                                          f"{type(e).__name__}: {e}", rank=self.rank, seq=seq,
+                                          fix="see the cause above; the job must be restarted "
+                                              "(tfcs-run --max-restarts)")
                 self._fail(err)
                 raise err from e
             finally:

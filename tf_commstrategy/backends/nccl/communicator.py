@@ -87,6 +87,21 @@ def prefer_eager_connect(environ=None) -> None:
     env.setdefault("NCCL_RUNTIME_CONNECT", "0")
 
 
+NCCL_REMOTE_ERROR = 6  # ncclRemoteError: a peer exited or the network failed
+
+
+def is_remote_error(e: BaseException) -> bool:
+    """cupy 13.0-13.3 turn ncclRemoteError (6), which they cannot name, into ``KeyError(6)`` (cupy#8661)."""
+    return isinstance(e, KeyError) and e.args == (NCCL_REMOTE_ERROR,)
+
+
+def describe_nccl_error(e: BaseException) -> str:
+    """The text of an NCCL error, also of the ``KeyError(6)`` of cupy 13.0-13.3, which says nothing."""
+    if is_remote_error(e):
+        return "ncclRemoteError: a remote rank exited, or the network between the ranks failed"
+    return str(e) or repr(e)
+
+
 class Communicator:
     """A ``cupy.cuda.nccl.NcclCommunicator`` for one GPU of this rank, with bounded waits.
 
@@ -218,9 +233,9 @@ class Communicator:
             raise CollectiveError(f"the NCCL communicator #{self.generation} was aborted", rank=self.rank, seq=seq)
         try:
             self.comm.check_async_error()
-        except self._nccl.NcclError as e:
+        except Exception as e:  # NcclError; cupy 13.0-13.3 raise KeyError(6) for ncclRemoteError instead
             self.abort()
-            raise CollectiveError(f"NCCL reported an error during collective #{seq} [{what}]: {e}",
+            raise CollectiveError(f"NCCL reported an error during collective #{seq} [{what}]: {describe_nccl_error(e)}",
                                   rank=self.rank, seq=seq,
                                   fix="see the NCCL message; NCCL_DEBUG=WARN prints NCCL's own diagnosis") from e
 
@@ -241,7 +256,7 @@ class Communicator:
 
 
 def _init_error(e: BaseException, rank: int, size: int, device_id: int, generation: int) -> TfcsError:
-    text = str(e)
+    text = describe_nccl_error(e)
     fix = "see the NCCL message; NCCL_DEBUG=WARN prints NCCL's own diagnosis"
     if size > 1 and ("invalid usage" in text.lower() or "INVALID_USAGE" in text):
         fix = ("NCCL refuses two ranks on one GPU: give every rank its own GPU (e.g. "
