@@ -107,6 +107,10 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
       CollectiveAbortedError: another rank failed and aborted the group.
     """
     if _is_tf(x):
+        if out is not None:
+            raise UnsupportedOperationError(f"out= is supported for numpy arrays on the grpc backend, not for "
+                                            f"a {type(x).__name__} input (tensors are immutable)",
+                                            fix="drop out= and use the returned tensor")
         from .tf import tensor_ops
         return tensor_ops.allreduce(x, op, backend=backend, timeout=timeout)
     op = ReduceOp.parse(op)
@@ -116,9 +120,10 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
     if out is None:
         a, back = _staged(b, arr)
         return back(b.allreduce(a, op, timeout))
-    if not getattr(b, "supports_out", False) or not isinstance(out, np.ndarray):
+    if (not getattr(b, "supports_out", False) or not isinstance(out, np.ndarray)
+            or not isinstance(arr, np.ndarray)):
         raise UnsupportedOperationError(f"out= is supported for numpy arrays on the grpc backend, not for "
-                                        f"{type(out).__name__} on {b.name}",
+                                        f"a {type(arr).__name__} input and a {type(out).__name__} out= on {b.name}",
                                         fix="drop out= and use the returned array")
     return b.allreduce(arr, op, timeout, out=out)
 

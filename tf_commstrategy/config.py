@@ -98,6 +98,34 @@ def timeout_from_env(environ=None) -> float:
     return env_value("TFCS_TIMEOUT", _positive_float, DEFAULT_TIMEOUT_S, environ)
 
 
+def call_timeout(timeout, default: float, rank: Optional[int] = None) -> float:
+    """The deadline of one call: ``timeout`` when given, else ``default`` (the group's).
+
+    Args:
+      timeout: seconds for this call, or None.
+      default: the group's deadline.
+      rank: this worker's rank, for the message.
+
+    Returns:
+      Seconds, > 0.
+
+    Raises:
+      ConfigurationError: ``timeout`` is not a number > 0 (checked before the collective starts, so
+        the process group stays usable).
+    """
+    if timeout is None:
+        return default
+    try:
+        value = float(timeout)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ConfigurationError(f"timeout={timeout!r} for one collective", rank=rank,
+                                 fix="pass a number of seconds > 0, or None for the job's deadline (TFCS_TIMEOUT); "
+                                     "no collective waits without a deadline")
+    return value
+
+
 def rendezvous_timeout_from_env(environ=None) -> float:
     """``TFCS_RENDEZVOUS_TIMEOUT``: seconds to wait for the coordinator and every worker (default 300).
 

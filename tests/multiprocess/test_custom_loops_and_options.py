@@ -155,6 +155,17 @@ def _per_call(rank, size):
     r = strategy.extended.reduce_to(tf.distribute.ReduceOp.MEAN, pr, destinations="/cpu:0",
                                     options=tfcs.CommOptions(backend="grpc", timeout_seconds=5))
     out["ours_grpc"] = (float(r.numpy()[0]), grpc.stats()["seq"] - before)
+    # TensorFlow's "zero disables the timeout": the job's deadline here, not an instant timeout
+    r = strategy.extended.reduce_to(tf.distribute.ReduceOp.SUM, pr, destinations="/cpu:0",
+                                    options=CO(implementation=Impl.RING, timeout_seconds=0))
+    out["timeout 0"] = float(r.numpy()[0])
+    try:
+        strategy.extended.reduce_to(tf.distribute.ReduceOp.SUM, pr, destinations="/cpu:0",
+                                    options=CO(timeout_seconds=-1))
+        out["timeout -1"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["timeout -1"] = type(e).__name__
+    out["after"] = float(strategy.extended.reduce_to(tf.distribute.ReduceOp.SUM, pr, destinations="/cpu:0").numpy()[0])
     return out
 
 
@@ -164,6 +175,7 @@ def test_per_call_options_reach_the_matching_backend():
         assert kind == "ok", out
         assert out["ring"] == (3.0, 1)  # one collective on the grpc backend
         assert out["ours_grpc"] == (1.5, 1)
+        assert out["timeout 0"] == 3.0 and out["timeout -1"] == "ConfigurationError" and out["after"] == 3.0, out
         for k in ("nccl_tf", "nccl_ours"):
             assert "BackendUnavailableError" in out[k] and "backend 'nccl' cannot run here" in out[k], out[k]
             assert "cupy" in out[k] or "GPU" in out[k]

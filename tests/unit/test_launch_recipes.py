@@ -72,3 +72,26 @@ def test_any_engine_recipe_variables(rank):
     s = resolve_cluster(environ={"TFCS_RANK": str(rank), "TFCS_WORLD_SIZE": "4", "TFCS_COORDINATOR": "head:7000"})
     assert (s.rank, s.world_size, s.coordinator) == (rank, 4, "head:7000")
 
+
+
+def test_a_reaped_workers_group_number_in_use_again_is_not_signalled(monkeypatch):
+    # the worker exited and was reaped; its pid now belongs to another process (here: this one), so a
+    # group of that number is not the worker's (the kernel reuses no pid that still names a group)
+    import os
+    import signal
+    from tf_commstrategy.launcher import run as R
+
+    class Reaped:
+        def __init__(self, pid):
+            self.pid, self.returncode = pid, 0
+
+        def poll(self):
+            return 0
+
+    sent = []
+    monkeypatch.setattr(R.os, "killpg", lambda pgid, sig: sent.append((pgid, sig)))
+    R.Job([Reaped(os.getpid())]).signal_all(signal.SIGTERM, groups=True)
+    assert sent == []
+    dead = 2 ** 22 + 12345  # above pid_max's default: no process has it
+    R.Job([Reaped(dead)]).signal_all(signal.SIGTERM, groups=True)
+    assert sent == [(dead, signal.SIGTERM)]  # its own group may still hold what it started

@@ -160,3 +160,24 @@ def test_low_precision_small_path_accumulates_in_float32():
     out, _ = run_ring(3, lambda l: ring.allreduce(l, inputs[l.rank].copy(), ReduceOp.SUM, 1, small_bytes=1 << 20))
     for o in out:
         np.testing.assert_array_equal(o.astype(np.float64), [2050.0] * 3)
+
+
+class _HostRingLink:
+    """Position 1 of a 2-rank ring whose members are job ranks 4 and 6 (a hierarchical leader ring):
+    the left neighbour sends a chunk one element short."""
+    rank, size, seq, global_rank, left_rank = 1, 2, 17, 6, 4
+
+    def send(self, key, payload):
+        pass
+
+    def recv(self, key):
+        return np.ones(2, np.float32).tobytes()
+
+
+def test_a_short_chunk_names_job_ranks_and_the_collective():
+    from tf_commstrategy.errors import CollectiveMismatchError
+    with pytest.raises(CollectiveMismatchError) as info:
+        ring.allreduce(_HostRingLink(), np.ones(6, np.float32), ReduceOp.SUM, 1000)
+    e = info.value
+    assert (e.rank, e.remote_rank, e.seq) == (6, 4, 17)
+    assert "from rank 4" in str(e) and "collective #17" in str(e)

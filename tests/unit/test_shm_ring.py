@@ -186,3 +186,55 @@ def test_a_bell_makes_the_wake_up_call_only_for_a_sleeper_and_wakes_it(monkeypat
         sleeper.wait(seen, 30.0)  # the word has moved since `seen`: returns at once
     finally:
         seg.close()
+
+
+def test_a_segment_that_cannot_be_mapped_is_not_left_behind(monkeypatch):
+    import mmap as mmap_mod
+
+    def refuse(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+    before = set(os.listdir(M.SHM_DIR))
+    monkeypatch.setattr(M.mmap, "mmap", refuse)
+    with pytest.raises(OSError, match="Cannot allocate"):
+        M.Segment.create(4096, "ring")
+    monkeypatch.setattr(M.mmap, "mmap", mmap_mod.mmap)
+    mine = [n for n in set(os.listdir(M.SHM_DIR)) - before if n.startswith(f"{M.PREFIX}{os.getpid()}-")]
+    assert mine == []
+
+
+def test_links_opened_before_a_failure_while_connecting_are_closed(monkeypatch):
+    # the shared-memory receiver is set up, then connecting to the right neighbour fails (its address
+    # never appears): the ring closes what it had opened before the error goes up
+    from types import SimpleNamespace
+    from tf_commstrategy.backends.grpc import links as L
+    from tf_commstrategy.errors import RendezvousError
+    closed = []
+
+    class Part:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self, *a, **k):
+            closed.append(self.name)
+
+    class FakeShm:
+        def __init__(self, *a, **k):
+            self.receiver, self.sender = Part("shm receiver"), None
+            self.fell_back = False
+
+        def close(self):  # pragma: no cover - RingLinks closes the parts itself
+            raise AssertionError("not used")
+
+    class Store:
+        def get(self, key, timeout):
+            raise RendezvousError(f"key {key!r} did not appear")
+
+    monkeypatch.setattr(L, "link_kinds", lambda w, members, requested: ["shm", "tcp"])
+    monkeypatch.setattr(L.shm_transport, "ShmLinks", FakeShm)
+    worker = SimpleNamespace(host_key="h", pid=1)
+    backend = SimpleNamespace(rank=1, group=SimpleNamespace(workers=[worker, worker], store=Store(), token=None,
+                                                            rendezvous_timeout=1.0, tls=None),
+                              describe=str, chunk_bytes=1 << 20)
+    with pytest.raises(RendezvousError):
+        L.RingLinks(backend, 0, [0, 1], "tcp")
+    assert closed == ["shm receiver"]

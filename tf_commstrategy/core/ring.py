@@ -91,10 +91,14 @@ def _incoming(link, key, dtype, expect: int, into: Optional[np.ndarray] = None) 
     payload = recv_into(key, into.view(np.uint8)) if recv_into is not None else link.recv(key)
     arr = np.frombuffer(payload, dtype=dtype)
     if arr.size != expect:
+        # job ranks where the link knows them (on a hierarchical host or leader ring the positions differ)
+        left = getattr(link, "left_rank", (link.rank - 1) % link.size)
+        seq = getattr(link, "seq", None)
         raise CollectiveMismatchError(
-            f"received {arr.size} elements for step {key[0]} chunk {key[1]} from rank "
-            f"{(link.rank - 1) % link.size}, expected {expect}",
-            rank=link.rank, fix="every rank must pass buffers of the same shape and dtype")
+            (f"collective #{seq}: " if seq is not None else "")
+            + f"received {arr.size} elements for step {key[0]} chunk {key[1]} from rank {left}, expected {expect}",
+            rank=getattr(link, "global_rank", link.rank), seq=seq, remote_rank=left,
+            fix="every rank must pass buffers of the same shape and dtype")
     return arr
 
 

@@ -210,7 +210,7 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         """
         from .device_path import use_device_path
         backend = self._backend_for(backend, tensors)
-        timeout = merged.timeout_seconds
+        timeout = opts.timeout_of(merged)
         groups = fusion_groups([t.dtype for t in tensors], [_static_nbytes(t) for t in tensors],
                                merged.bytes_per_pack)
         op = ReduceOp.MEAN if mean else ReduceOp.SUM
@@ -297,7 +297,7 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
 
     def _allgather_many(self, tensors, merged, backend, axis=0):
         backend = self._backend_for(backend, tensors)
-        timeout = merged.timeout_seconds
+        timeout = opts.timeout_of(merged)
 
         def call(b, arrs):
             res = []

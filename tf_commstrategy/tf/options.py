@@ -6,7 +6,8 @@ backend directly and is accepted wherever TF accepts options, because it *is* a 
 
 Precedence for one call: ``CommOptions.backend`` > ``implementation`` (RING / NCCL) > the strategy's
 default (``CommStrategy(backend=...)``, then its ``communication_options``) > ``TFCS_BACKEND`` >
-"auto". ``timeout_seconds`` becomes the collective deadline, ``bytes_per_pack`` the fusion bucket size.
+"auto". ``timeout_seconds`` becomes the collective deadline (0, TensorFlow's "no timeout", means the
+job's deadline: no collective waits without one), ``bytes_per_pack`` the fusion bucket size.
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ class CommOptions(collective_util.Options):
     def __str__(self):
         return (f"CommOptions(backend={self.backend}, bytes_per_pack={self.bytes_per_pack}, "
                 f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation})")
+
+
+def timeout_of(options) -> Optional[float]:
+    """The deadline a merged options object sets for one call, None for the job's (``TFCS_TIMEOUT``).
+
+    TensorFlow reads ``timeout_seconds=0`` as "no timeout"; here no collective waits without a
+    deadline, so 0 (like None) means the job's deadline. A negative value is refused when the call
+    is made (``ConfigurationError``).
+
+    Args:
+      options: a ``CommOptions``, a TF ``CommunicationOptions``, or None.
+
+    Returns:
+      Seconds, or None.
+    """
+    t = getattr(options, "timeout_seconds", None)
+    return None if t is None or t == 0 else t
 
 
 def backend_of(options) -> Optional[str]:

@@ -33,6 +33,7 @@ from tensorflow.python.trackable import base as trackable_base
 from .. import process
 from ..core.backend import normalize_backend_name
 from . import input_path, keras_compat, tensor_ops, threads
+from . import options as opts
 from .cross_device_ops import CommCrossDeviceOps
 
 
@@ -189,7 +190,7 @@ class CommExtended(mirrored_strategy.MirroredExtended):
                 # the strategy's backend and deadline, chosen as for its other collectives
                 ops_ = self._cross_device_ops
                 backend = ops_._backend_for(ops_._backend_name(None), [value])
-                timeout = ops_._options(None).timeout_seconds
+                timeout = opts.timeout_of(ops_._options(None))
                 return tf.identity(tensor_ops.broadcast(value, 0, backend=backend, timeout=timeout))
         return initial_value_fn
 

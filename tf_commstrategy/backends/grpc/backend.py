@@ -203,7 +203,7 @@ class GrpcRingBackend(Backend):
 
     # -- running one collective ------------------------------------------------------------------
     def _run(self, sig: str, timeout: Optional[float], body):
-        timeout = self.group.timeout if timeout is None else float(timeout)
+        timeout = config.call_timeout(timeout, self.group.timeout, self.rank)
         with self._lock:
             if self._failed is not None:
                 raise CollectiveError(f"the process group is unusable after an earlier error: {self._failed}",
@@ -299,11 +299,13 @@ class GrpcRingBackend(Backend):
         if out is None:
             flat = np.empty_like(src)
         else:
-            if out.shape != buf.shape or out.dtype != buf.dtype or not out.flags.c_contiguous:
+            if (out.shape != buf.shape or out.dtype != buf.dtype or not out.flags.c_contiguous
+                    or not out.flags.writeable):
                 raise UnsupportedOperationError(
-                    f"out= must be a C-contiguous array of shape {buf.shape} and dtype {buf.dtype}; got "
-                    f"shape {out.shape}, dtype {out.dtype}", rank=self.rank,
-                    fix="pass out=np.empty_like(x) or out=x (in place)")
+                    f"out= must be a writeable C-contiguous array of shape {buf.shape} and dtype {buf.dtype}; "
+                    f"got shape {out.shape}, dtype {out.dtype}"
+                    + ("" if out.flags.writeable else ", read-only"), rank=self.rank,
+                    fix="pass out=np.empty_like(x) or out=x (in place, x writeable)")
             flat = out.reshape(-1)
         if flat is src or (out is not None and np.shares_memory(flat, src)):
             if flat.__array_interface__["data"][0] != src.__array_interface__["data"][0]:
@@ -312,18 +314,23 @@ class GrpcRingBackend(Backend):
                     "read values it has already overwritten", rank=self.rank,
                     fix="pass out=x (in place) or an array that does not overlap x")
             src = None  # in place
-        ce = self._chunk_elems(buf.dtype, op)
+        result = self._allreduce_flat(flat, op, timeout, sig, src)
+        return out if out is not None else result.reshape(buf.shape)
+
+    def _allreduce_flat(self, flat: np.ndarray, op: ReduceOp, timeout, sig: str, src: Optional[np.ndarray] = None):
+        """One all-reduce into the 1-D ``flat`` (from ``src``, or in place when None), checked against
+        the other ranks' ``sig``; returns ``flat``."""
+        ce = self._chunk_elems(flat.dtype, op)
 
         def body(link):
             if link is not None and self._fusion is not None:
                 self._fusion.allreduce([flat if src is None else src], [flat], op, link.seq, sig, link.deadline,
                                        abort=self.mailbox.error_now, on_timeout=link.timeout_error)
-                return flat.reshape(buf.shape)
+                return flat
             if link is not None and self.hierarchical:
-                return self._hierarchical_allreduce(link, flat, op, ce, src).reshape(buf.shape)
-            return ring.allreduce(link or SINGLE, flat, op, ce, self.small_bytes, src=src).reshape(buf.shape)
-        result = self._run(sig, timeout, body)
-        return out if out is not None else result
+                return self._hierarchical_allreduce(link, flat, op, ce, src)
+            return ring.allreduce(link or SINGLE, flat, op, ce, self.small_bytes, src=src)
+        return self._run(sig, timeout, body)
 
     def allreduce_many(self, bufs: List[np.ndarray], op: ReduceOp, timeout=None,
                        outs: Optional[List[np.ndarray]] = None) -> List[np.ndarray]:
@@ -352,9 +359,10 @@ class GrpcRingBackend(Backend):
         if outs is None:
             outs = [np.empty_like(b) for b in bufs]
         elif len(outs) != len(bufs) or any(o.shape != b.shape or o.dtype != b.dtype or not o.flags.c_contiguous
-                                           for o, b in zip(outs, bufs)):
-            raise UnsupportedOperationError("outs= must be C-contiguous arrays with the shapes and dtype of the "
-                                            "inputs", rank=self.rank, fix="pass [np.empty_like(b) for b in bufs]")
+                                           or not o.flags.writeable for o, b in zip(outs, bufs)):
+            raise UnsupportedOperationError("outs= must be writeable C-contiguous arrays with the shapes and dtype "
+                                            "of the inputs", rank=self.rank,
+                                            fix="pass [np.empty_like(b) for b in bufs] (or the inputs, if writeable)")
         if not bufs:
             return outs
         total = sum(b.size for b in bufs)
@@ -366,13 +374,13 @@ class GrpcRingBackend(Backend):
                                             fix="pass the inputs themselves (in place) or separate arrays")
         ring_path = (self.size > 1 and not self.hierarchical and not needs_wide_accumulator(dtype, op) and
                      not (self.small_bytes > 0 and total * dtype.itemsize * (self.size - 1) <= self.small_bytes))
-        if self._fusion is None and not ring_path:  # these paths work on one flat array
-            flat = np.concatenate([b.reshape(-1) for b in bufs]) if len(bufs) > 1 else bufs[0].reshape(-1).copy()
-            self.allreduce(flat, op, timeout, out=flat)
-            dst.write_from(flat, 0, total)
-            return outs
         sizes = ",".join(str(b.size) for b in bufs)
         sig = f"allreduce op={op.value} dtype={dtype} shape={(total,)} parts={len(bufs)}:{zlib.crc32(sizes.encode())}"
+        if self._fusion is None and not ring_path:  # these paths work on one flat array
+            flat = np.concatenate([b.reshape(-1) for b in bufs]) if len(bufs) > 1 else bufs[0].reshape(-1).copy()
+            self._allreduce_flat(flat, op, timeout, sig)
+            dst.write_from(flat, 0, total)
+            return outs
         ce = self._chunk_elems(dtype, op)
 
         def body(link):
@@ -429,7 +437,9 @@ class GrpcRingBackend(Backend):
 
         def body(link):
             lo, hi = ring.reduce_scatter(link or SINGLE, flat, op, rows, row_elems, ce)
-            return flat[lo:hi].reshape((-1,) + tuple(buf.shape[1:])).copy()
+            row_bounds = ring.array_split_bounds(rows, self.size)  # the row count, also when rows are empty
+            mine = row_bounds[self.rank + 1] - row_bounds[self.rank]
+            return flat[lo:hi].reshape((mine,) + tuple(buf.shape[1:])).copy()
         return self._run(sig, timeout, body)
 
     def broadcast(self, buf: np.ndarray, root: int, timeout=None) -> np.ndarray:

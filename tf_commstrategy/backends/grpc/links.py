@@ -40,7 +40,6 @@ class RingLinks:
     """This rank's place in one ring (``members``: global ranks in ring order) and its two links."""
 
     def __init__(self, backend, ring_id: int, members: List[int], requested: str):
-        g = backend.group
         self.ring_id = ring_id
         self.members = list(members)
         self.rank = members.index(backend.rank)  # position in this ring (what core.ring calls rank)
@@ -53,8 +52,23 @@ class RingLinks:
         self.transport = "none"
         if self.size == 1:
             return
+        try:
+            outbound = self._connect(backend, ring_id, requested)
+        except BaseException:  # a neighbour gone or a deadline while connecting: close what was opened
+            self.close()
+            raise
+        self.transport = outbound
+        if ring_id == 0:
+            log.info("tf_commstrategy rank %d: ring data path to rank %d: %s", backend.rank, self.right, outbound)
+        else:
+            log.info("tf_commstrategy rank %d: hierarchy: %s link to rank %d: %s", backend.rank,
+                     "host-ring" if ring_id == 1 else "leader-ring", self.right, outbound)
+
+    def _connect(self, backend, ring_id: int, requested: str) -> str:
+        """Open the links to both neighbours (a collective step of init); returns the outbound kind."""
+        g = backend.group
         w = g.workers
-        kinds = link_kinds(w, members, requested)
+        kinds = link_kinds(w, self.members, requested)
         inbound, outbound = kinds[(self.rank - 1) % self.size], kinds[self.rank]
         if "shm" in (inbound, outbound):
             local = sum(1 for x in w if x.host_key == w[backend.rank].host_key)
@@ -83,12 +97,7 @@ class RingLinks:
         if inbound in ("unix", "tcp"):  # the left neighbour connected to our server (or is about to)
             conn = backend.socket_server(inbound).take_connection(ring_id, self.left, g.rendezvous_timeout)
             self.inbound = socket_transport.SocketReceiver(conn, self.left, backend.rank, backend.describe, inbound)
-        self.transport = outbound
-        if ring_id == 0:
-            log.info("tf_commstrategy rank %d: ring data path to rank %d: %s", backend.rank, self.right, outbound)
-        else:
-            log.info("tf_commstrategy rank %d: hierarchy: %s link to rank %d: %s", backend.rank,
-                     "host-ring" if ring_id == 1 else "leader-ring", self.right, outbound)
+        return outbound
 
     def shm_problem(self):
         """Why this rank's shared-memory links fell back to sockets (already logged), or None."""
@@ -98,10 +107,17 @@ class RingLinks:
         return shm.fallback_reason or "a neighbour could not use shared memory"
 
     def close(self) -> None:
+        closed = []
         if self.stream is not None:
+            closed.append(self.stream)
             self.stream.close()
             self.stream = None
         if self.inbound is not None:
+            closed.append(self.inbound)
             self.inbound.close()
             self.inbound = None
+        if self._shm is not None:  # parts not handed to stream / inbound (an init that failed halfway)
+            for part in (self._shm.sender, self._shm.receiver):
+                if part is not None and not any(part is c for c in closed):
+                    part.close()
         self._shm = None

@@ -54,6 +54,17 @@ class CollectiveLink:
         return self._seq
 
     @property
+    def global_rank(self) -> int:
+        """This rank in the job (``rank`` is its position on this ring, which differs on the
+        hierarchical host and leader rings)."""
+        return self._b.rank
+
+    @property
+    def left_rank(self) -> int:
+        """The job rank of the left neighbour on this ring, whose data this rank receives."""
+        return self._left
+
+    @property
     def deadline(self) -> float:
         return self._deadline
 

@@ -334,6 +334,7 @@ class FusionBuffers:
                 q = (r + k) % W
                 self._wait(REDUCED, g, (q,), deadline, abort, on_timeout)
                 dst.write_from(views[q][b[q]:b[q + 1]], lo + b[q], lo + b[q + 1])
+            fence()  # off x86: my reads of the peers' slots come before the word that lets them reuse them
             mine_ctl[DONE] = g
             self._ring_peers()
             self.gen = g
@@ -397,6 +398,11 @@ class FusionBuffers:
         their_sig = bytes(self._segs[q].mm[SIG_AT:SIG_AT + theirs[3]])
         if theirs[:3] == (seq, piece, n) and their_sig == sig_b:
             return
+        # the piece header may still describe the peer's last large piece (it took the one-round small
+        # path this time): the signature it entered this collective with names its call
+        entered = self.conflict(seq, sig)
+        if entered is not None:
+            raise entered
         self._mismatch(q, seq, sig, piece, n, theirs[0], their_sig, theirs[1], theirs[2])
 
     def _mismatch(self, q: int, seq: int, sig: str, piece: int, n: int, their_seq: int, their_sig: bytes,

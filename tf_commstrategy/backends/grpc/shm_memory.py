@@ -193,15 +193,15 @@ class Segment:
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, size)  # reserve now: a full /dev/shm fails here, not with SIGBUS later
-            except OSError:
-                os.unlink(path)
-                raise
+            os.posix_fallocate(fd, 0, size)  # reserve now: a full /dev/shm fails here, not with SIGBUS later
             mm = mmap.mmap(fd, size)
+            seg = cls(path, mm, owner=True)
+        except BaseException:  # no segment nobody can clean up: its creator is alive, so no sweep takes it
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
-        return cls(path, mm, owner=True)
+        return seg
 
     @classmethod
     def attach(cls, path: str) -> "Segment":

@@ -212,6 +212,7 @@ class ShmReceiver(_RingEnd):
         if self._held:
             self._tail += self._held
             self._held = 0
+            fence()  # off x86: my reads of the payload come before the producer may overwrite it
             self._ctl[TAIL] = self._tail
             self.peer_bell.ring()
 
