@@ -277,3 +277,26 @@ def test_nccl_as_the_default_leaves_host_tensors_to_the_ring(how):
     assert n0 == n1 == 2 and w0 == w1  # trained in sync, through the ring
     # no GPU here: nccl named on the call is refused (no cupy: BackendUnavailableError)
     assert refused0 in ("BackendUnavailableError", "UnsupportedOperationError"), refused0
+
+
+def _strategy_timeout_after_init(rank, size):
+    tf, tfcs = _setup()
+    from tf_commstrategy.errors import ConfigurationError
+    tfcs.init()
+    s = tfcs.CommStrategy(timeout=7)  # joined already: the strategy's own deadline, not a second init
+    t = tfcs.CommStrategy(timeout=9, communication_options=tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=30, bytes_per_pack=1024))
+    try:
+        tfcs.CommStrategy(timeout=-1)
+        bad = "no error"
+    except ConfigurationError:
+        bad = "ConfigurationError"
+    x = s.experimental_distribute_values_from_function(lambda ctx: tf.constant([float(rank + 1)]))
+    r = s.reduce(tf.distribute.ReduceOp.SUM, x, axis=None)
+    return (s.extended._communication_options.timeout_seconds, t.extended._communication_options.timeout_seconds,
+            t.extended._communication_options.bytes_per_pack, bad, float(r.numpy()[0]))
+
+
+def test_strategy_timeout_after_init_is_the_strategys_deadline():
+    for out in run_workers(_strategy_timeout_after_init, 2, timeout=120):
+        assert out == (7.0, 9.0, 1024, "ConfigurationError", 3.0), out

@@ -65,12 +65,22 @@ def _scenario(rank, size, which, tmp):
     if which == "save_on_rank0":
         m = _model(keras, strategy, rank)
         m.fit(ds, epochs=1, verbose=0)
+        formats = ["model.h5", "model.keras", "saved_model"]  # h5, tf_keras's default, SavedModel
         if tfcs.rank() == 0:  # the common idiom: only rank 0 saves
-            m.save(os.path.join(tmp, "model.h5"))
+            for name in formats:  # .keras and SavedModel read the metrics' state as well
+                m.save(os.path.join(tmp, name))
             m.save_weights(os.path.join(tmp, "weights.h5"))
-        tfcs.barrier()
-        restored = keras.models.load_model(os.path.join(tmp, "model.h5"))
-        return [w.tolist() for w in restored.get_weights()[:2]], [w.tolist() for w in m.get_weights()[:2]]
+            m.save_weights(os.path.join(tmp, "weights_tf"))
+        tfcs.barrier()  # a stray collective on rank 0 would meet this barrier: a mismatch, not a pass
+        restored = [keras.models.load_model(os.path.join(tmp, name)) for name in formats]
+        return [[w.tolist() for w in r.get_weights()[:2]] for r in restored], [w.tolist() for w in m.get_weights()[:2]]
+    if which == "metrics_outside_scope":
+        m = _model(keras, strategy, rank)
+        m.fit(ds, epochs=1, verbose=0)  # each worker trains on its own shard: local metrics differ
+        outside = {k: float(v) for k, v in m.get_metrics_result().items()}
+        with strategy.scope():
+            inside = {k: float(v) for k, v in m.get_metrics_result().items()}
+        return outside, inside, {mt.name: float(mt.result()) for mt in m.metrics}
     if which == "jit_compile":
         m = _model(keras, strategy, rank, jit_compile=True)
         try:
@@ -105,7 +115,17 @@ def test_model_checkpoint_chief_writes_others_clean_up(tmp_path):
 def test_save_on_rank0_only_works_without_hanging(tmp_path):
     res = run_workers(_scenario, 2, "save_on_rank0", str(tmp_path), timeout=240, env={"TFCS_TIMEOUT": "30"})
     for restored, live in res:
-        np.testing.assert_allclose(restored[0], res[0][1][0])  # what rank 0 saved is the shared model
+        for weights in restored:  # every format: what rank 0 saved is the shared model
+            np.testing.assert_allclose(weights[0], res[0][1][0])
+
+
+def test_metrics_read_outside_the_scope_are_global(tmp_path):
+    res = run_workers(_scenario, 2, "metrics_outside_scope", str(tmp_path), timeout=240)
+    (out0, in0, res0), (out1, in1, res1) = res
+    assert set(out0) == {"loss", "accuracy"}
+    for k in out0:
+        assert out0[k] == in0[k] == out1[k] == in1[k], (k, res)
+    assert in0["accuracy"] == res0["accuracy"] == res1["accuracy"]
 
 
 def test_jit_compile_is_refused_with_a_clear_error(tmp_path):

@@ -6,7 +6,8 @@ purpose not an MWMS instance (tf_keras would then also sum per-batch training lo
 workers), so ``reduce_per_replica(..., "concat")`` is routed through tf_keras's own multi-worker
 concatenation (``strategy.gather`` -> our all-gather), in the same replica order it uses for MWMS.
 The metric reads of one ``get_metrics_result`` share one fused reduction (``fused_sync_on_read``);
-every other reduction is left to tf_keras unchanged. Also, ``verbose="auto"`` (the default of
+every other reduction is left to tf_keras unchanged. ``Model.save`` / ``save_weights`` read
+replica-local variables (metric state) locally, so rank 0 can save alone. Also, ``verbose="auto"`` (the default of
 fit/evaluate/predict) shows the progress bar on rank 0 only, and a tf_commstrategy error inside
 fit/evaluate/predict surfaces as itself (chained from TF's ``UnknownError``).
 """
@@ -141,6 +142,21 @@ def install() -> None:
             return self.get_metrics_result()
         return wrapper
     _wrap_once(training.Model, "train_step", train_step)
+
+    # Saving on one rank (``if tfcs.rank() == 0: model.save(path)``): the .keras and SavedModel
+    # formats read the metrics' state, and a cross-worker read there would be a collective that no
+    # other rank joins. While saving, replica-local variables are read locally (this worker's own).
+    def saving_locally(original):
+        def wrapper(self, *args, **kwargs):
+            from .strategy import CommStrategy
+            strategy = self.distribute_strategy
+            if not isinstance(strategy, CommStrategy):
+                return original(self, *args, **kwargs)
+            with strategy.extended.local_replica_reads():
+                return original(self, *args, **kwargs)
+        return wrapper
+    for name in ("save", "save_weights"):
+        _wrap_once(training.Model, name, saving_locally)
 
     # Errors: a PeerLostError (etc.) inside the train step reaches Keras as tf.errors.UnknownError;
     # fit / evaluate / predict re-raise our typed error instead, chained from TF's.

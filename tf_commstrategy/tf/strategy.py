@@ -19,12 +19,13 @@ What differs from MirroredStrategy, and why:
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cdo
 from tensorflow.python.distribute import (distribute_lib, distribute_utils, input_util, mirrored_strategy,
-                                             reduce_util)
+                                             reduce_util, values_util)
 from tensorflow.python.distribute import values as value_lib
 from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 from tensorflow.python.training import server_lib
@@ -66,8 +67,11 @@ class CommStrategy(tf.distribute.MirroredStrategy):
         wanted = getattr(communication_options, "transport", None)
         if wanted is not None and "transport" not in init_kwargs:
             init_kwargs["transport"] = wanted  # the ring's data path is chosen when the job starts
-        if process.is_initialized() and not init_kwargs and timeout is None:
-            group = process.default_group()  # joined already (tfcs.init with whatever settings)
+        if process.is_initialized() and not init_kwargs:
+            # joined already (tfcs.init with whatever settings): timeout= is this strategy's deadline
+            group = process.default_group()
+            if timeout is not None:
+                communication_options = _with_timeout(communication_options, timeout)
         else:
             group = process.init(timeout=timeout, **init_kwargs)
         self._thread_plan = threads.configure(tf_threads, group.local_size, group.rank)  # before TF starts
@@ -80,6 +84,18 @@ class CommStrategy(tf.distribute.MirroredStrategy):
     def process_group(self):
         """The process group this strategy's collectives run in (the one ``tfcs.init`` made)."""
         return self.extended._group
+
+
+def _with_timeout(options, timeout: float):
+    """The strategy's default options with ``timeout`` as their deadline (``timeout=`` is an explicit
+    argument: it beats the ``timeout_seconds`` of ``communication_options``)."""
+    from .. import config
+    value = config.call_timeout(timeout, 0.0)  # a number > 0, or ConfigurationError
+    if options is None:
+        return opts.CommOptions(timeout_seconds=value)
+    options = copy.deepcopy(options)
+    options.timeout_seconds = value
+    return options
 
 
 class CommExtended(mirrored_strategy.MirroredExtended):
@@ -232,11 +248,15 @@ class CommExtended(mirrored_strategy.MirroredExtended):
                     cache[id(v)] = (v, op, r)
             self._read_cache = (_graph_key(), cache)
 
-        ctx = distribute_lib.get_replica_context()
-        if ctx is not None:
-            ctx.merge_call(prefetch, args=(todo,))
-        else:
-            prefetch(self._container_strategy(), todo)
+        strategy = self._container_strategy()
+        # outside any scope TF's default replica context is current, whose merge_call reduces nothing;
+        # the reads themselves enter this strategy (DistributedVariable._get), so the prefetch does too
+        with distribute_lib.enter_or_assert_strategy(strategy):
+            ctx = distribute_lib.get_replica_context()
+            if ctx is not None:
+                ctx.merge_call(prefetch, args=(todo,))
+            else:
+                prefetch(strategy, todo)
         try:
             yield
         finally:
@@ -312,9 +332,23 @@ class CommExtended(mirrored_strategy.MirroredExtended):
           ``if tfcs.rank() == 0: model.save(path)`` works and never hangs. Their values may then differ
           between workers, as they do under Horovod (each worker's statistics come from its own batches).
         """
+        if getattr(self, "_local_reads", 0) or values_util.is_saving_non_distributed():
+            return True
         if var.aggregation == tf.VariableAggregation.MEAN:
             return tf.executing_eagerly()
         return not self._sync_metrics
+
+    @contextlib.contextmanager
+    def local_replica_reads(self):
+        """Inside the block every read of a replica-local (SyncOnRead) variable gives this worker's own
+        value, without a collective. ``keras_compat`` wraps ``Model.save`` / ``save_weights`` in it:
+        ``if tfcs.rank() == 0: model.save(path)`` saves the metrics' state (totals, counts) of rank 0
+        alone and never issues a collective that the other ranks would not join."""
+        self._local_reads = getattr(self, "_local_reads", 0) + 1
+        try:
+            yield
+        finally:
+            self._local_reads -= 1
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         pairs = []

@@ -126,7 +126,10 @@ def new_host_tensor(shape, dtype: tf.DType):
     global _outputs_share_memory
     if dtype == tf.bfloat16 or _outputs_share_memory is False:
         return None
-    t = tf.raw_ops.Empty(shape=_shape_tensor(shape), dtype=dtype, init=False)
+    with tf.device(HOST):  # eagerly TF would place it on a GPU when there is one; _numpy() is then a copy
+        t = tf.raw_ops.Empty(shape=_shape_tensor(shape), dtype=dtype, init=False)
+    if "CPU" not in t.device.upper():
+        return None
     view = t._numpy()  # pylint: disable=protected-access
     if not isinstance(view, np.ndarray) or not view.flags.writeable:
         return None
