@@ -98,3 +98,12 @@ def test_the_default_warm_up_is_a_tenth_of_the_timed_calls_and_at_least_three(cl
     calls = []
     times = workers.timed(lambda: calls.append(1), iters=iters)
     assert len(times) == iters and len(calls) == iters + untimed
+
+
+@pytest.mark.parametrize("code", [130, 143])
+def test_ctrl_c_ends_the_benchmark_instead_of_running_the_peers(monkeypatch, code):
+    from tf_commstrategy.bench import cli
+    calls = []
+    monkeypatch.setattr(cli.launcher, "run", lambda argv: calls.append(argv) or code)
+    assert cli.main(["-np", "2", "--sizes", "8", "--compare", "tf-ring"]) == code
+    assert len(calls) == 1  # tf-ring was not started after tfcs was interrupted

@@ -187,3 +187,20 @@ def test_default_bind_and_advertise_hosts_follow_the_coordinators_family():
     assert (default_bind_host("127.0.0.1"), default_bind_host("::1")) == ("127.0.0.1", "::1")
     assert (default_bind_host("10.0.0.1"), default_bind_host("fd00::5")) == ("0.0.0.0", "::")
     assert (default_advertise_host("localhost"), default_advertise_host("::1")) == ("127.0.0.1", "::1")
+
+
+def test_tf_config_task_index_beyond_its_type_is_refused():
+    cfg = {"cluster": {"chief": ["c:1"], "worker": ["w0:1", "w1:1"]}, "task": {"type": "chief", "index": 1}}
+    with pytest.raises(ConfigurationError, match="chief:1 is not in the cluster spec"):
+        resolve_cluster(environ={"TF_CONFIG": json.dumps(cfg)})
+    cfg["task"] = {"type": "worker", "index": -1}
+    with pytest.raises(ConfigurationError, match="worker:-1"):
+        resolve_cluster(environ={"TF_CONFIG": json.dumps(cfg)})
+
+
+def test_tf_config_master_is_the_chief():
+    cfg = {"cluster": {"master": ["m:2222"], "worker": ["w0:2222"]}, "task": {"type": "master", "index": 0}}
+    s = resolve_cluster(environ={"TF_CONFIG": json.dumps(cfg)})
+    assert (s.rank, s.world_size, s.coordinator) == (0, 2, "m:2222")
+    cfg["task"] = {"type": "worker", "index": 0}
+    assert resolve_cluster(environ={"TF_CONFIG": json.dumps(cfg)}).rank == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -63,6 +64,17 @@ def fmt_time(t: float) -> str:
     return f"{t:.2f} s"
 
 
+_STOPPED_BY = {128 + int(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+
+class Interrupted(Exception):
+    """A signal ended a job of the benchmark (tfcs-run's exit code 128 + signal)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 def run_impl(impl: str, args, sizes: List[int]) -> Dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
@@ -76,6 +88,8 @@ def run_impl(impl: str, args, sizes: List[int]) -> Dict:
             cmd += ["--backend", args.backend]
         print(f"tfcs-bench: running {impl} ({args.np} workers)...", file=sys.stderr, flush=True)
         code = launcher.run(["-np", str(args.np), "--no-prefix"] + cmd)
+        if code in _STOPPED_BY:  # Ctrl-C (or SIGTERM / SIGHUP) ended the run: no further jobs
+            raise Interrupted(code)
         if code != 0 or not os.path.exists(out):
             print(f"tfcs-bench: {impl} failed (exit code {code}); left out of the table", file=sys.stderr)
             return {}
@@ -195,7 +209,11 @@ def main(argv=None):
         except ImportError:
             print("tfcs-bench: torch is not importable, gloo left out (pip install torch==2.13.0)", file=sys.stderr)
             peers.remove("gloo")
-    raw = {impl: run_impl(impl, args, sizes) for impl in ["tfcs"] + peers}
+    try:
+        raw = {impl: run_impl(impl, args, sizes) for impl in ["tfcs"] + peers}
+    except Interrupted as e:
+        print(f"tfcs-bench: interrupted (exit code {e.code}); the remaining jobs were not run", file=sys.stderr)
+        return e.code
     results = {impl: summarize(r, args.op, args.np) for impl, r in raw.items() if r}
     info = raw.get('tfcs', {}).get('info', {})
     print(f"\n{args.op}, {args.np} ranks, float32, backend {args.backend}, transport "

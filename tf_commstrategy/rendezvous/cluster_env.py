@@ -4,7 +4,7 @@ Sources, first match wins (each field given explicitly always overrides):
 
 1. explicit arguments to :func:`tf_commstrategy.init`;
 2. ``TFCS_RANK``, ``TFCS_WORLD_SIZE``, ``TFCS_LOCAL_RANK``, ``TFCS_COORDINATOR`` (``tfcs-run`` sets these);
-3. ``TF_CONFIG`` (Kubernetes / Kubeflow TFJob): ranks are chief first, then workers in order; the
+3. ``TF_CONFIG`` (Kubernetes / Kubeflow TFJob): ranks are chief (or ``master``) first, then workers in order; the
    chief (or worker 0) hosts the coordinator on its own cluster-spec address;
 4. Open MPI (``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``): coordinator from ``TFCS_COORDINATOR``
    or ``MASTER_ADDR``/``MASTER_PORT`` (mpirun knows no host to use);
@@ -176,16 +176,25 @@ def _from_tf_config(env):
         raise ConfigurationError(f"TF_CONFIG cannot be parsed ({e}): {raw[:200]!r}",
                                  fix='TF_CONFIG must hold {"cluster": {...}, "task": {"type": ..., "index": ...}}'
                                  ) from None
-    members = [("chief", a) for a in cluster.get("chief", [])] + [("worker", a) for a in cluster.get("worker", [])]
+    if not isinstance(cluster, dict):
+        raise ConfigurationError(f"TF_CONFIG's cluster is not a mapping: {raw[:200]!r}",
+                                 fix='write it as {"chief": [...], "worker": [...]}')
+    # "master" is the older name of the chief (TF 1 / Estimator configurations)
+    chiefs = list(cluster.get("chief", [])) + list(cluster.get("master", []))
+    ttype = "chief" if ttype == "master" else ttype
+    members = [("chief", a) for a in chiefs] + [("worker", a) for a in cluster.get("worker", [])]
     if ttype not in ("chief", "worker"):
         raise ConfigurationError(f"TF_CONFIG task type {ttype!r} takes no part in training",
                                  fix="tf_commstrategy runs on 'chief' and 'worker' tasks only; do not start it on "
                                      "'ps' or 'evaluator' tasks")
-    offset = len(cluster.get("chief", [])) if ttype == "worker" else 0
-    rank = offset + tindex
-    if rank >= len(members):
-        raise ConfigurationError(f"TF_CONFIG task {ttype}:{tindex} is not in the cluster spec",
-                                 fix="check the task index against cluster." + ttype)
+    of_type = len(chiefs) if ttype == "chief" else len(cluster.get("worker", []))
+    if len(chiefs) > 1:
+        raise ConfigurationError(f"TF_CONFIG lists {len(chiefs)} chief/master tasks",
+                                 fix="a cluster has at most one chief; list the others as workers")
+    if not 0 <= tindex < of_type:
+        raise ConfigurationError(f"TF_CONFIG task {ttype}:{tindex} is not in the cluster spec ({of_type} "
+                                 f"{ttype} task(s))", fix="check the task index against cluster." + ttype)
+    rank = (len(chiefs) if ttype == "worker" else 0) + tindex
     my_host = split_host_port(members[rank][1])[0]
     local_rank = sum(1 for _, a in members[:rank] if split_host_port(a)[0] == my_host)
     return rank, len(members), local_rank, members[0][1], "TF_CONFIG"
