@@ -102,7 +102,7 @@ def test_mpich_intel_mpi_and_mvapich_ranks(mpi):
 def test_srun_with_pmi_uses_slurms_coordinator_when_slurm_agrees():
     env = dict(_SLURM_STEP, SLURM_PROCID="3", SLURM_LOCALID="1", PMI_RANK="3", PMI_SIZE="4")
     s = resolve_cluster(environ=env)
-    assert (s.rank, s.world_size, s.coordinator) == (3, 4, "n1:29407")
+    assert (s.rank, s.world_size, s.coordinator) == (3, 4, "n1:29659")
     # Slurm disagrees (mpiexec inside an allocation): its host is not this job's rank 0
     with pytest.raises(ConfigurationError, match="TFCS_COORDINATOR"):
         resolve_cluster(environ=dict(env, SLURM_PROCID="0"))
@@ -112,7 +112,7 @@ def test_slurm_variables_and_port():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[10-13]",
            "SLURM_JOB_ID": "123456"}
     s = resolve_cluster(environ=env)
-    assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (3, 8, 1, "n10:29856")
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (3, 8, 1, "n10:30272")
     env["TFCS_COORDINATOR_PORT"] = "4000"
     assert resolve_cluster(environ=env).coordinator == "n10:4000"
 
@@ -174,6 +174,9 @@ def test_slurm_steps_of_one_allocation_meet_on_their_own_first_node_and_port():
     assert (a.coordinator, b.coordinator, c.coordinator) == ("n1:29900", "n3:29901", "n1:29902")
     batch = resolve_cluster(environ=dict(base, SLURM_STEP_ID="batch"))  # the batch script itself
     assert batch.coordinator == "n1:29900"
+    # the next job's steps on the same nodes: job 501 step 0 must not meet job 500 step 1
+    nxt = resolve_cluster(environ=dict(base, SLURM_JOB_ID="501", SLURM_STEP_ID="0", SLURM_STEP_NODELIST="n[3-4]"))
+    assert nxt.coordinator != b.coordinator and nxt.coordinator == "n3:29937"  # 29400 + 537
 
 
 def test_join_host_port_brackets_ipv6_and_round_trips():

@@ -13,7 +13,7 @@ Sources, first match wins (each field given explicitly always overrides):
 6. torchrun style ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
 7. Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``): coordinator on the first host of
    the step (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``), port ``TFCS_COORDINATOR_PORT`` or
-   ``29400 + (SLURM_JOB_ID + SLURM_STEP_ID) % 1000``.
+   ``29400 + (37 * SLURM_JOB_ID + SLURM_STEP_ID) % 1000``.
 
 Launchers that start the processes themselves (4-6) come before Slurm, whose variables their
 processes inherit inside an allocation. When srun itself started the processes and an MPI source
@@ -212,10 +212,11 @@ def _from_slurm(env):
             port = _int(env, "TFCS_COORDINATOR_PORT")
         elif env.get("MASTER_PORT"):
             port = _int(env, "MASTER_PORT")
-        else:  # steps of one allocation running at once get different ports
+        else:  # steps of one allocation running at once get different ports; so do consecutive jobs'
+            # steps (job J step s+1 and job J+1 step s, which (job + step) would have put on one port)
             job = _int(env, "SLURM_JOB_ID") if env.get("SLURM_JOB_ID") else 0
             step = _int(env, "SLURM_STEP_ID") if env.get("SLURM_STEP_ID", "").isdigit() else 0
-            port = DEFAULT_SLURM_BASE_PORT + (job + step) % 1000
+            port = DEFAULT_SLURM_BASE_PORT + (37 * job + step) % 1000
         coord = join_host_port(host, port)
     local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else None
     return _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), local, coord, "Slurm"
