@@ -192,9 +192,11 @@ def test_local_rank_with_explicit_ranks_and_no_engine():
     assert run_workers(_local_explicit, 3, timeout=60) == [(0, 3), (1, 3), (2, 3)]
 
 
-def _short_of_workers(rank, size):
+def _short_of_workers(rank, size, late_rank=None):
     import tf_commstrategy as tfcs
     coordinator = _no_engine()
+    if rank == late_rank:
+        time.sleep(2.0)  # its deadline comes 2 s after rank 0's, which hosts the coordinator
     try:
         tfcs.init(rank=rank, world_size=4, coordinator=coordinator, rendezvous_timeout=3)
     except tfcs.RendezvousError as e:
@@ -207,6 +209,18 @@ def test_missing_workers_are_all_named_at_the_rendezvous_deadline():
     for msg in res:
         assert "rank(s) [2, 3] of a job of 4 did not join within 3 s" in msg, msg
         assert "TFCS_RENDEZVOUS_TIMEOUT" in msg
+
+
+def _short_of_workers_rank1_late(rank, size):
+    return _short_of_workers(rank, size, late_rank=1)
+
+
+def test_a_rank_whose_deadline_comes_after_rank_0s_still_learns_which_ranks_are_missing():
+    # rank 0 gives up first and would stop its coordinator: rank 1 must get the same answer, not
+    # "coordinator call failed"
+    res = run_workers(_short_of_workers_rank1_late, 2, timeout=60)
+    for msg in res:
+        assert "rank(s) [2, 3] of a job of 4 did not join within 3 s" in msg, msg
 
 
 def _init_fails_then_again(rank, size):

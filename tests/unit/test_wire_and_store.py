@@ -144,7 +144,7 @@ def test_coordinator_gone_during_the_meeting_is_reported_as_such():
     srv.stop()
     spec = ClusterSpec(rank=1, world_size=3, local_rank=None, coordinator=address, source="test")
     with pytest.raises(RendezvousError) as info:
-        _gather_workers(c, spec, 30.0, time.monotonic() + 30.0)
+        _gather_workers(c, spec, 30.0, time.monotonic() + 30.0, hosts_coordinator=False)
     text = str(info.value)
     assert "did not join" not in text and f"coordinator call Get to {address} failed" in text, text
     assert "rank 0" in text
@@ -163,8 +163,51 @@ def test_missing_ranks_are_named_while_the_coordinator_answers():
         c.set("worker/1", "{}")
         spec = ClusterSpec(rank=1, world_size=3, local_rank=None, coordinator=address, source="test")
         with pytest.raises(RendezvousError, match=r"rank\(s\) \[0, 2\] of a job of 3 did not join"):
-            _gather_workers(c, spec, 0.3, time.monotonic() + 0.3)
+            _gather_workers(c, spec, 0.3, time.monotonic() + 0.3, hosts_coordinator=False)
         assert c.try_get("worker/1") == "{}" and c.try_get("worker/2") is None
+        # what it saw is published for the ranks whose deadlines come later, and it acknowledged it
+        assert c.try_get("rendezvous/failed") == "rank(s) [0, 2] of a job of 3 did not join within 0 s"
+        assert c.add("rendezvous/failed_seen", 0) == 1
+        c.close()
+    finally:
+        srv.stop()
+
+
+def test_a_published_rendezvous_failure_ends_the_wait_of_the_ranks_that_joined():
+    from tf_commstrategy.rendezvous.cluster_env import ClusterSpec
+    from tf_commstrategy.rendezvous.rendezvous import _gather_workers
+    address = f"127.0.0.1:{free_port()}"
+    srv = CoordinatorServer(address, world_size=3)
+    try:
+        c = CoordinatorClient(address, 2)
+        c.wait_ready(5)
+        c.set("worker/0", "{}")
+        c.set("worker/2", "{}")
+        threading.Timer(0.3, c.set, args=("rendezvous/failed", "rank(s) [1] of a job of 3 did not join")).start()
+        spec = ClusterSpec(rank=2, world_size=3, local_rank=None, coordinator=address, source="test")
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=r"rank 2: rank\(s\) \[1\] of a job of 3 did not join"):
+            _gather_workers(c, spec, 60.0, time.monotonic() + 60.0, hosts_coordinator=False)
+        assert time.monotonic() - t0 < 10  # not its own 60 s deadline
+        assert c.add("rendezvous/failed_seen", 0) == 1
+        c.close()
+    finally:
+        srv.stop()
+
+
+def test_get_either_returns_the_first_key_set_and_prefers_the_first_key():
+    address = f"127.0.0.1:{free_port()}"
+    srv = CoordinatorServer(address, world_size=1)
+    try:
+        c = CoordinatorClient(address, 0)
+        c.wait_ready(5)
+        threading.Timer(0.2, c.set, args=("b", "2")).start()
+        assert c.get_either("a", "b", timeout=5) == ("b", "2")
+        c.set("a", "1")
+        assert c.get_either("a", "b", timeout=5) == ("a", "1")
+        assert c.get("a", timeout=1) == "1"
+        with pytest.raises(RendezvousError, match="did not appear"):
+            c.get_either("x", "y", timeout=0.3)
         c.close()
     finally:
         srv.stop()

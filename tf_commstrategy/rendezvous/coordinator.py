@@ -42,15 +42,18 @@ class _Store:
             self._kv[key] = value
             self._cv.notify_all()
 
-    def get(self, key: str, wait_s: float) -> Optional[str]:
+    def get(self, keys, wait_s: float):
+        """The first of ``keys`` that is set, as (key, value), waiting up to ``wait_s``; (None, None) if none."""
         end = time.monotonic() + min(max(wait_s, 0.0), MAX_SERVER_WAIT_S)
         with self._cv:
-            while key not in self._kv:
+            while True:
+                for key in keys:
+                    if key in self._kv:
+                        return key, self._kv[key]
                 left = end - time.monotonic()
                 if left <= 0 or self._closed:
-                    return None
+                    return None, None
                 self._cv.wait(left)
-            return self._kv[key]
 
     def add(self, key: str, amount: int) -> int:
         with self._cv:
@@ -150,8 +153,9 @@ class CoordinatorServer:
         return b"{}"
 
     def _get(self, r, context):
-        value = self._store.get(self._key(r), self._wait(r))
-        return json.dumps({"found": value is not None, "value": value}).encode()
+        keys = [self._key(r)] + ([self._key(r, "or_key")] if r.get("or_key") is not None else [])
+        key, value = self._store.get(keys, self._wait(r))
+        return json.dumps({"found": value is not None, "key": key, "value": value}).encode()
 
     def _add(self, r, context):
         amount = r["amount"]
@@ -260,13 +264,30 @@ class CoordinatorClient:
         Raises:
           RendezvousError: the key did not appear in time, or a call failed.
         """
+        return self.get_either(key, None, timeout)[1]
+
+    def get_either(self, key: str, or_key: Optional[str], timeout: float):
+        """Whichever of ``key`` and ``or_key`` is set first, waiting up to ``timeout`` seconds.
+
+        Args:
+          key: the key waited for.
+          or_key: a second key (say, one that announces a failure) that ends the wait too; None: only ``key``.
+          timeout: seconds to wait.
+
+        Returns:
+          (the key found, its value); ``key`` wins when both are set.
+
+        Raises:
+          RendezvousError: neither key appeared in time, or a call failed.
+        """
         end = time.monotonic() + timeout
+        payload = {"key": key} if or_key is None else {"key": key, "or_key": or_key}
         while True:
             left = end - time.monotonic()
             wait = max(0.0, min(left, MAX_SERVER_WAIT_S))
-            r = self._call("Get", {"key": key, "wait_s": wait}, timeout=wait + 10.0)
+            r = self._call("Get", dict(payload, wait_s=wait), timeout=wait + 10.0)
             if r["found"]:
-                return r["value"]
+                return r.get("key", key), r["value"]
             if time.monotonic() >= end:
                 raise RendezvousError(f"key {key!r} did not appear in the coordinator at {self.address} "
                                       f"within {timeout:.0f} s", rank=self.rank, address=self.address,

@@ -144,23 +144,57 @@ class Rendezvous:
             self.server.stop()
 
 
-def _gather_workers(store, spec: ClusterSpec, timeout: float, end: float) -> List[WorkerInfo]:
-    """Every worker's info, waiting until ``end``; the error names every rank still missing."""
+FAILED_KEY = "rendezvous/failed"
+FAILED_SEEN_KEY = "rendezvous/failed_seen"
+FAILED_LINGER_S = 3.0
+_JOIN_FIX = ("start every worker with the same world size and coordinator address (a worker that crashed at "
+             "start has its own error in its log), or raise TFCS_RENDEZVOUS_TIMEOUT when workers start slowly")
+
+
+def _gather_workers(store, spec: ClusterSpec, timeout: float, end: float, hosts_coordinator: bool
+                    ) -> List[WorkerInfo]:
+    """Every worker's info, waiting until ``end``; the error names every rank still missing.
+
+    The first rank to reach its deadline publishes what it saw under ``FAILED_KEY``: the ranks that joined
+    stop waiting and raise the same message, whatever their own deadlines (the workers' clocks start at
+    different times). Rank 0 hosts the coordinator, so before it exits it waits (at most
+    ``FAILED_LINGER_S``) until every rank that joined has read that message; else a rank whose deadline
+    comes later would only see the coordinator gone.
+    """
     found = []
     for i in range(spec.world_size):
         try:
-            found.append(store.get(f"worker/{i}", max(0.0, end - time.monotonic())))
+            key, value = store.get_either(f"worker/{i}", FAILED_KEY, max(0.0, end - time.monotonic()))
         except RendezvousError:
             # a failed call (rank 0's coordinator gone) raises its own error here, naming the coordinator;
             # only keys the coordinator says are not set count as missing ranks
             missing = [j for j in range(i, spec.world_size) if store.try_get(f"worker/{j}") is None]
-            raise RendezvousError(
-                f"rank(s) {missing} of a job of {spec.world_size} did not join within {timeout:.0f} s",
-                rank=spec.rank, address=spec.coordinator,
-                fix="start every worker with the same world size and coordinator address (a worker that "
-                    "crashed at start has its own error in its log), or raise TFCS_RENDEZVOUS_TIMEOUT "
-                    "when workers start slowly") from None
+            what = f"rank(s) {missing} of a job of {spec.world_size} did not join within {timeout:.0f} s"
+            store.set(FAILED_KEY, what)
+            _linger(store, spec, hosts_coordinator)
+            raise RendezvousError(what, rank=spec.rank, address=spec.coordinator, fix=_JOIN_FIX) from None
+        if key == FAILED_KEY:
+            _linger(store, spec, hosts_coordinator)
+            raise RendezvousError(value, rank=spec.rank, address=spec.coordinator, fix=_JOIN_FIX)
+        found.append(value)
     return [WorkerInfo(**json.loads(x)) for x in found]
+
+
+def _linger(store, spec: ClusterSpec, hosts_coordinator: bool) -> None:
+    """Acknowledge a published rendezvous failure; rank 0 also waits for the acknowledgements of every
+    rank that joined, so its coordinator stays up until they have read why the job cannot start."""
+    try:
+        seen = store.add(FAILED_SEEN_KEY, 0 if hosts_coordinator else 1, timeout=2.0)
+        if not hosts_coordinator:
+            return
+        joined = sum(store.try_get(f"worker/{j}", timeout=2.0) is not None
+                     for j in range(spec.world_size) if j != spec.rank)
+        stop = time.monotonic() + FAILED_LINGER_S
+        while seen < joined and time.monotonic() < stop:
+            time.sleep(0.02)
+            seen = store.add(FAILED_SEEN_KEY, 0, timeout=2.0)
+    except RendezvousError:
+        pass  # best effort: the failure being reported is the one that matters
 
 
 def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Optional[str], tls=None) -> Rendezvous:
@@ -203,7 +237,7 @@ def join(spec: ClusterSpec, token: Optional[str], timeout: float, bind_host: Opt
                                       "ranks are distinct, another job (or an earlier init still shutting down) "
                                       f"uses the coordinator at {spec.coordinator}: give this job its own port")
         store.set(f"worker/{spec.rank}", json.dumps(dataclasses.asdict(me)))
-        workers = _gather_workers(store, spec, timeout, end)
+        workers = _gather_workers(store, spec, timeout, end, hosts_coordinator=server is not None)
         store.barrier("rendezvous", spec.world_size, max(1.0, end - time.monotonic()))
     except BaseException:  # also KeyboardInterrupt: never leave rank 0's coordinator serving
         store.close()
