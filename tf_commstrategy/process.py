@@ -33,13 +33,15 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
       timeout: deadline of every collective in seconds (``TFCS_TIMEOUT``, default 300).
       rendezvous_timeout: how long to wait for the coordinator and the other workers
         (``TFCS_RENDEZVOUS_TIMEOUT``, default 300).
-      chunk_bytes: pipelining unit of the ring (``TFCS_CHUNK_BYTES``, default 1 MiB).
+      chunk_bytes: pipelining unit of the ring (``TFCS_CHUNK_BYTES``; default 4 MiB when every ring link
+        is a raw socket, else 1 MiB).
       bind_host / advertise_host: where this worker's servers listen / what peers dial
         (``TFCS_BIND_HOST`` / ``TFCS_ADVERTISE_HOST``; defaults: loopback for a loopback coordinator,
         else all interfaces and the address that routes to the coordinator).
       token: the per-job secret every RPC must carry (``TFCS_TOKEN``; tfcs-run generates one).
-      transport: the ring's data path, "auto" | "unix" | "tcp" | "grpc" (``TFCS_TRANSPORT``; "auto": Unix
-        sockets between ranks on one host, gRPC between hosts; "tcp": raw TCP between hosts, opt-in).
+      transport: the ring's data path, "auto" | "shm" | "unix" | "tcp" | "grpc" (``TFCS_TRANSPORT``; "auto":
+        shared memory between ranks on one host (Unix sockets where it cannot be used), gRPC between
+        hosts; "tcp": raw TCP on every link, opt-in).
       tls_cert / tls_key / tls_ca: PEM files for mutual TLS on every gRPC port of the job: this worker's
         certificate and key, and the CA that signed every worker's certificate (``TFCS_TLS_CERT`` /
         ``TFCS_TLS_KEY`` / ``TFCS_TLS_CA``; all three or none). See docs/fault_tolerance.md.

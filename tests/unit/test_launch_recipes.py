@@ -95,3 +95,23 @@ def test_a_reaped_workers_group_number_in_use_again_is_not_signalled(monkeypatch
     dead = 2 ** 22 + 12345  # above pid_max's default: no process has it
     R.Job([Reaped(dead)]).signal_all(signal.SIGTERM, groups=True)
     assert sent == [(dead, signal.SIGTERM)]  # its own group may still hold what it started
+
+
+def test_tfjob_image_recipe_holds_the_package_and_the_script_the_pods_run():
+    docker = _read("Dockerfile")
+    job = _read("tfjob.yaml")
+    copied = [src for line in re.findall(r"^COPY (.+)$", docker, flags=re.M) for src in line.split()[:-1]]
+    for src in copied:  # every COPY source exists, relative to the repository root (the build context)
+        assert os.path.exists(os.path.join(ROOT, src)), src
+    # what `pip install .` needs: the build file, the readme it names, the package
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        readme = re.search(r'^readme = "([^"]+)"', f.read(), flags=re.M).group(1)
+    assert {"pyproject.toml", readme, "tf_commstrategy"} <= set(copied)
+    assert re.search(r"^RUN pip install .*\.\s*$", docker, flags=re.M)
+    workdir = re.search(r"^WORKDIR (\S+)", docker, flags=re.M).group(1)
+    assert job.count(f"workingDir: {workdir}") == 2
+    for command in re.findall(r"command: (\[.*\])", job):
+        argv = json.loads(command)
+        script = argv[1]
+        assert argv[0] == "python" and os.path.isfile(os.path.join(ROOT, script)), argv
+        assert any(script == c or script.startswith(c.rstrip("/") + "/") for c in copied), (script, copied)

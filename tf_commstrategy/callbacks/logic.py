@@ -1,6 +1,7 @@
 """What the Keras callbacks do, apart from the Keras base class (so it is unit-testable).
 
-Nothing here imports TensorFlow: the functions take plain values and the collective calls to use.
+This module imports no TensorFlow: the functions take plain values and the collective calls to use.
+(Importing it still runs the package's ``__init__``, which loads the Keras classes and so TensorFlow.)
 """
 
 from __future__ import annotations
