@@ -20,9 +20,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free 127.0.0.1 port outside the kernel's ephemeral range (as tfcs-run picks one): rank 0 binds
+    it seconds after this returns, and meanwhile the servers and outgoing connections of the test
+    running beside this one (pytest -n 2) take kernel-chosen ports, which could include this one."""
+    from tf_commstrategy.launcher.run import _free_port
+    return _free_port("127.0.0.1")
+
+
+def wait_for_port(port: int, listening: bool, timeout: float = 30.0) -> bool:
+    """Poll until 127.0.0.1:``port`` accepts connections (``listening``) or refuses them (not
+    ``listening``); False when that has not happened within ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if (s.connect_ex(("127.0.0.1", port)) == 0) == listening:
+                return True
+        time.sleep(0.05)
+    return False
 
 
 class WorkerFailed(AssertionError):

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import free_port, run_workers
+from tests.helpers import free_port, run_workers, wait_for_port
 
 
 def _mismatch(rank, size, kind):
@@ -196,9 +196,13 @@ def _short_of_workers(rank, size, late_rank=None):
     import tf_commstrategy as tfcs
     coordinator = _no_engine()
     if rank == late_rank:
-        time.sleep(2.0)  # its deadline comes 2 s after rank 0's, which hosts the coordinator
+        # rank 0's deadline runs from when its coordinator starts; this rank joins 4 s later, so its
+        # own deadline comes 4 s after rank 0's, when rank 0 has given up (and, before the fix, stopped
+        # its coordinator)
+        assert wait_for_port(int(coordinator.rsplit(":", 1)[1]), listening=True)
+        time.sleep(4.0)
     try:
-        tfcs.init(rank=rank, world_size=4, coordinator=coordinator, rendezvous_timeout=3)
+        tfcs.init(rank=rank, world_size=4, coordinator=coordinator, rendezvous_timeout=8)
     except tfcs.RendezvousError as e:
         return str(e)
     return "no error"
@@ -207,7 +211,7 @@ def _short_of_workers(rank, size, late_rank=None):
 def test_missing_workers_are_all_named_at_the_rendezvous_deadline():
     res = run_workers(_short_of_workers, 2, timeout=60)  # a job of 4, of which 2 were started
     for msg in res:
-        assert "rank(s) [2, 3] of a job of 4 did not join within 3 s" in msg, msg
+        assert "rank(s) [2, 3] of a job of 4 did not join within 8 s" in msg, msg
         assert "TFCS_RENDEZVOUS_TIMEOUT" in msg
 
 
@@ -220,7 +224,7 @@ def test_a_rank_whose_deadline_comes_after_rank_0s_still_learns_which_ranks_are_
     # "coordinator call failed"
     res = run_workers(_short_of_workers_rank1_late, 2, timeout=60)
     for msg in res:
-        assert "rank(s) [2, 3] of a job of 4 did not join within 3 s" in msg, msg
+        assert "rank(s) [2, 3] of a job of 4 did not join within 8 s" in msg, msg
 
 
 def _init_fails_then_again(rank, size):
@@ -237,7 +241,10 @@ def _init_fails_then_again(rank, size):
     except tfcs.RendezvousError as e:
         first = type(e).__name__
     transport.DataServer = server
-    time.sleep(6 - 3 * rank)  # rank 0's failed init has returned (its deadline) before rank 1 comes back
+    if rank == 0:
+        time.sleep(6)  # rank 1 comes back meanwhile, once this rank's first coordinator is gone
+    else:  # rank 0's failed init stops its coordinator at its deadline (waiting for this rank's address)
+        assert wait_for_port(int(os.environ["TFCS_COORDINATOR"].rsplit(":", 1)[1]), listening=False)
     tfcs.init(rendezvous_timeout=30)  # the same coordinator port again: the first one must be gone
     return first, tfcs.allreduce(np.array([rank + 1.0])).tolist()
 
