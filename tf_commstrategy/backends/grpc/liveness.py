@@ -6,7 +6,8 @@ minutes. So every rank pings its two ring neighbours' data servers (``Data/Ping`
 ``interval`` and declares a neighbour lost when
 
 * its port refuses connections on two pings in a row (the process is gone), or
-* it has not answered at all for ``timeout`` seconds (frozen, or the network is partitioned).
+* it has not answered at all for ``timeout`` seconds (frozen, or the network is partitioned); a ping
+  waits at most 2 s and never past that limit, so the verdict comes within ``interval`` of it.
 
 A lost neighbour poisons this rank's mailbox with a :class:`PeerLostError` naming it, and the
 backend tells every other rank (``Data/Abort`` carries the error kind and the lost rank), so all
@@ -83,8 +84,11 @@ class Watchdog:
             for r in self._neighbours:
                 if r in self._quiet or self._stop.is_set() or self._is_gone(r):
                     continue
+                # a ping waits at most 2 s, and never past the moment the silence reaches the limit, so a
+                # frozen peer is declared lost at the limit, not up to one ping timeout after it
+                left = self.timeout - (time.monotonic() - last_ok[r])
                 try:
-                    self._probes[r].ping(timeout=min(self.timeout, max(2.0, 2 * self.interval)))
+                    self._probes[r].ping(timeout=max(0.1, min(self.timeout, max(2.0, 2 * self.interval), left)))
                     last_ok[r], refused[r] = time.monotonic(), 0
                     continue
                 except grpc.RpcError as e:
