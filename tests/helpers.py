@@ -27,6 +27,16 @@ def free_port() -> int:
     return _free_port("127.0.0.1")
 
 
+def wait_until(predicate, timeout: float = 30.0, poll: float = 0.05) -> bool:
+    """Poll ``predicate()`` until it is true; False when it has not become true within ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return bool(predicate())
+
+
 def wait_for_port(port: int, listening: bool, timeout: float = 30.0) -> bool:
     """Poll until 127.0.0.1:``port`` accepts connections (``listening``) or refuses them (not
     ``listening``); False when that has not happened within ``timeout`` seconds."""

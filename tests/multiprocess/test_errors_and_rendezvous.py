@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import free_port, run_workers, wait_for_port
+from tests.helpers import free_port, run_workers, wait_for_port, wait_until
 
 
 def _mismatch(rank, size, kind):
@@ -269,8 +269,10 @@ def _shutdown_after_a_failure(rank, size):
         except tfcs.CollectiveTimeoutError:
             pass
         time.sleep(4)  # and stays alive a while: rank 1 leaves first
-    else:  # idle while that happens: it only hears of the failure
-        time.sleep(4)
+    else:  # idle while that happens: it only hears of the failure (over the control plane)
+        from tf_commstrategy.process import default_group
+        grpc = default_group().backend("grpc")
+        wait_until(lambda: grpc.failure() is not None, timeout=30)  # else it shuts down as after a clean run
     tfcs.shutdown()
     return [w for w in warnings if "shutdown barrier" in w]
 
@@ -283,15 +285,21 @@ def test_after_a_failure_no_rank_waits_in_the_shutdown_barrier():
 
 def _two_claim_rank_one(rank, size):
     import tf_commstrategy as tfcs
+    from tf_commstrategy.rendezvous.coordinator import CoordinatorClient
     coordinator = _no_engine()
-    if rank == 2:
-        time.sleep(2)  # after the real rank 1 has claimed
+    if rank == 2:  # after the real rank 1 has claimed and published
+        watcher = CoordinatorClient(coordinator, rank)
+        watcher.wait_ready(60)
+        watcher.get("worker/1", 60)
+        watcher.close()
     try:
-        tfcs.init(rank=min(rank, 1), world_size=2, coordinator=coordinator, rendezvous_timeout=20)
+        tfcs.init(rank=min(rank, 1), world_size=2, coordinator=coordinator, rendezvous_timeout=60)
     except tfcs.RendezvousError as e:
         return str(e)
     out = tfcs.allreduce(np.array([1.0])).tolist()
-    time.sleep(6)  # the job is still running when the intruder arrives
+    from tf_commstrategy.process import default_group
+    store = default_group().store  # the job is still running when the intruder arrives (and is refused)
+    assert wait_until(lambda: int(store.try_get("claim/1") or 0) >= 2, timeout=60)
     return out
 
 
@@ -310,8 +318,10 @@ def _reinit_at_once_after_a_failure(rank, size):
         except tfcs.CollectiveTimeoutError:
             pass
         time.sleep(4)  # rank 0 is slow to shut down: its coordinator is still serving meanwhile
-    else:
-        time.sleep(3)  # it has heard of the failure by now
+    else:  # it hears of the failure
+        from tf_commstrategy.process import default_group
+        grpc = default_group().backend("grpc")
+        wait_until(lambda: grpc.failure() is not None, timeout=30)
     tfcs.shutdown()
     tfcs.init(rendezvous_timeout=30)  # at once, the same coordinator port
     return tfcs.allreduce(np.array([rank + 1.0])).tolist()

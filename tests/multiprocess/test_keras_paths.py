@@ -71,7 +71,9 @@ def _scenario(rank, size, which, tmp):
                 m.save(os.path.join(tmp, name))
             m.save_weights(os.path.join(tmp, "weights.h5"))
             m.save_weights(os.path.join(tmp, "weights_tf"))
-        tfcs.barrier()  # a stray collective on rank 0 would meet this barrier: a mismatch, not a pass
+        # a stray collective on rank 0 would meet this barrier: a mismatch at once, not a pass; the barrier's
+        # own deadline covers rank 0's saving (SavedModel tracing takes 10-20 s on a loaded 2-core machine)
+        tfcs.barrier(timeout=180)
         restored = [keras.models.load_model(os.path.join(tmp, name)) for name in formats]
         return [[w.tolist() for w in r.get_weights()[:2]] for r in restored], [w.tolist() for w in m.get_weights()[:2]]
     if which == "metrics_outside_scope":

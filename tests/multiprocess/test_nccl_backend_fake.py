@@ -10,7 +10,7 @@ in the parent with numpy. NCCL and CUDA themselves are tested on a GPU (tests/gp
 import numpy as np
 import pytest
 
-from tests.helpers import run_workers
+from tests.helpers import run_workers, wait_until
 from tests.nccl_cases import SHAPE, _pairs, make_input, reference, to_device, to_host
 
 
@@ -201,7 +201,11 @@ def w_close_after_control_failure(rank, size, fail):
                 tfcs.allreduce(np.ones(3), backend="grpc", timeout=2)
             except tfcs.CollectiveTimeoutError:
                 pass
-        time.sleep(4)  # rank 1 hears of it while idle (only its control plane knows)
+            time.sleep(4)
+        else:  # rank 1 hears of it while idle (only its control plane knows)
+            from tf_commstrategy.process import default_group
+            grpc = default_group().backend("grpc")
+            wait_until(lambda: grpc.failure() is not None, timeout=30)
     tfcs.shutdown()
     return fake.log["aborted"], fake.log["destroyed"]
 

@@ -123,7 +123,7 @@ def test_oversized_frames_are_refused():
         rx1.take((0, 0, 0), time.monotonic() + 5, b"s")
 
 
-def test_a_broken_outbound_waits_for_the_failure_another_rank_reports():
+def test_a_broken_outbound_waits_for_the_failure_another_rank_reports(monkeypatch):
     """A neighbour that saw another rank die reports it over gRPC, then closes its connections: the
     rank whose send then fails must raise the reported cause, not blame that neighbour."""
     import threading
@@ -140,7 +140,9 @@ def test_a_broken_outbound_waits_for_the_failure_another_rank_reports():
     assert getattr(e.value, "await_report", False) and e.value.peer_rank == 1
     real = PeerLostError("rank 2 was lost (reported by rank 1)", rank=0, peer_rank=2)
     threading.Timer(0.1, lambda: b.mailbox.fail(real, remote=True)).start()
-    assert b._reported_cause(e.value) is real
+    with monkeypatch.context() as m:  # a report 0.1 s later is waited for (a long grace: no CPU race)
+        m.setattr(wire, "GONE_GRACE_S", 5.0)
+        assert b._reported_cause(e.value) is real
     b2 = object.__new__(GrpcRingBackend)
     b2.mailbox = wire.Mailbox()
     t0 = time.monotonic()
