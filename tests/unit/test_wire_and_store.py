@@ -1,3 +1,4 @@
+import contextlib
 import threading
 import time
 
@@ -151,48 +152,44 @@ def test_coordinator_gone_during_the_meeting_is_reported_as_such():
     c.close()
 
 
-def test_missing_ranks_are_named_while_the_coordinator_answers():
+@contextlib.contextmanager
+def _meeting(rank, world, published):
+    """A coordinator for a job of ``world``, and rank ``rank``'s client after the ranks in ``published``
+    have set their worker keys; yields (client, the rank's ClusterSpec)."""
     from tf_commstrategy.rendezvous.cluster_env import ClusterSpec
-    from tf_commstrategy.rendezvous.rendezvous import _gather_workers
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    srv = CoordinatorServer(address, world_size=3)
+    address = f"127.0.0.1:{free_port()}"
+    srv = CoordinatorServer(address, world_size=world)
+    c = CoordinatorClient(address, rank)
     try:
-        c = CoordinatorClient(address, 1)
         c.wait_ready(5)
-        c.set("worker/1", "{}")
-        spec = ClusterSpec(rank=1, world_size=3, local_rank=None, coordinator=address, source="test")
+        for r in published:
+            c.set(f"worker/{r}", "{}")
+        yield c, ClusterSpec(rank=rank, world_size=world, local_rank=None, coordinator=address, source="test")
+    finally:
+        c.close()
+        srv.stop()
+
+
+def test_missing_ranks_are_named_while_the_coordinator_answers():
+    from tf_commstrategy.rendezvous.rendezvous import _gather_workers
+    with _meeting(1, 3, published=[1]) as (c, spec):
         with pytest.raises(RendezvousError, match=r"rank\(s\) \[0, 2\] of a job of 3 did not join"):
             _gather_workers(c, spec, 0.3, time.monotonic() + 0.3, hosts_coordinator=False)
         assert c.try_get("worker/1") == "{}" and c.try_get("worker/2") is None
         # what it saw is published for the ranks whose deadlines come later, and it acknowledged it
         assert c.try_get("rendezvous/failed") == "rank(s) [0, 2] of a job of 3 did not join within 0 s"
         assert c.add("rendezvous/failed_seen", 0) == 1
-        c.close()
-    finally:
-        srv.stop()
 
 
 def test_a_published_rendezvous_failure_ends_the_wait_of_the_ranks_that_joined():
-    from tf_commstrategy.rendezvous.cluster_env import ClusterSpec
     from tf_commstrategy.rendezvous.rendezvous import _gather_workers
-    address = f"127.0.0.1:{free_port()}"
-    srv = CoordinatorServer(address, world_size=3)
-    try:
-        c = CoordinatorClient(address, 2)
-        c.wait_ready(5)
-        c.set("worker/0", "{}")
-        c.set("worker/2", "{}")
+    with _meeting(2, 3, published=[0, 2]) as (c, spec):
         threading.Timer(0.3, c.set, args=("rendezvous/failed", "rank(s) [1] of a job of 3 did not join")).start()
-        spec = ClusterSpec(rank=2, world_size=3, local_rank=None, coordinator=address, source="test")
         t0 = time.monotonic()
         with pytest.raises(RendezvousError, match=r"rank 2: rank\(s\) \[1\] of a job of 3 did not join"):
             _gather_workers(c, spec, 60.0, time.monotonic() + 60.0, hosts_coordinator=False)
         assert time.monotonic() - t0 < 10  # not its own 60 s deadline
         assert c.add("rendezvous/failed_seen", 0) == 1
-        c.close()
-    finally:
-        srv.stop()
 
 
 def test_get_either_returns_the_first_key_set_and_prefers_the_first_key():
