@@ -2,11 +2,14 @@
 
     PYTHONPATH=. python3 tests/gpu/gpu_report.py [--json FILE]
 
-Runs one rank per visible GPU (``conftest.gpu_world``; one rank on a one-GPU host), on cupy arrays
-only (no TensorFlow). Every op x dtype on two shapes is compared with numpy from fresh random inputs
-(the seed is printed); the data-movement collectives are checked as in test_nccl_gpu.py; then
-float32 all-reduces of 4 MiB, 64 MiB and 1 GiB are timed (median of back-to-back calls; each call
-returns once the GPU has finished). Exit status 0 only when every check passed.
+Runs one rank per visible GPU (``conftest.gpu_world``; one rank on a one-GPU host, or N ranks on it
+with ``TFCS_GPU_EMULATE_HOSTS=N``), on cupy arrays only (no TensorFlow). Every op x dtype on two
+shapes is compared with numpy from fresh random inputs (the seed is printed); the data-movement
+collectives are checked as in test_nccl_gpu.py; then float32 all-reduces of 4 KiB, 4 MiB, 64 MiB and
+1 GiB are timed (median of back-to-back calls; each call returns once the GPU has finished), and,
+where PyTorch with CUDA is installed, the same all-reduces through ``torch.distributed`` (NCCL) on
+the same ranks: the peer, so the table gives our time over torch's. Exit status 0 only when every
+check passed (the timings are reported, never judged).
 """
 
 import argparse
@@ -19,11 +22,28 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.gpu import test_nccl_gpu as T  # noqa: E402
-from tests.gpu.conftest import gpu_world  # noqa: E402
-from tests.helpers import run_workers  # noqa: E402
+from tests.gpu.conftest import emulate_host, emulated_hosts, gpu_world  # noqa: E402
+from tests.helpers import free_port, run_workers  # noqa: E402
 from tests.nccl_cases import _pairs, make_input, reference  # noqa: E402
 
-SIZES = [4 << 20, 64 << 20, 1 << 30]
+SIZES = [4 << 10, 4 << 20, 64 << 20, 1 << 30]
+
+
+def _iters(nbytes: int) -> int:
+    return 200 if nbytes <= (64 << 10) else 50 if nbytes <= (64 << 20) else 10
+
+
+def _median_time(call, sync, nbytes: int) -> float:
+    for _ in range(3):
+        call()
+    sync()
+    times = []
+    for _ in range(_iters(nbytes)):
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def w_bench(rank, size, sizes):
@@ -32,19 +52,51 @@ def w_bench(rank, size, sizes):
            "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version()}
     for nbytes in sizes:
         x = cupy.ones(nbytes // 4, dtype=cupy.float32)
-        iters = 50 if nbytes <= (64 << 20) else 10
-        for _ in range(3):
-            y = tfcs.allreduce(x, backend="nccl")
+        y = tfcs.allreduce(x, backend="nccl")
         assert float(y[:1].get()[0]) == size
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            tfcs.allreduce(x, backend="nccl")
-            times.append(time.perf_counter() - t0)
-        out[nbytes] = sorted(times)[len(times) // 2]
+        # tfcs.allreduce returns once the GPU has finished: no extra synchronisation
+        out[nbytes] = _median_time(lambda: tfcs.allreduce(x, backend="nccl"), lambda: None, nbytes)
         del x, y
         cupy.get_default_memory_pool().free_all_blocks()
     return out
+
+
+def w_bench_torch(rank, size, sizes, port):
+    """The same all-reduces through torch.distributed's NCCL process group (in place, as torch does)."""
+    emulate_host(rank)
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    v = torch.cuda.nccl.version()
+    out = {"torch": torch.__version__, "nccl": ".".join(map(str, v)) if isinstance(v, tuple) else str(v)}
+    try:
+        for nbytes in sizes:
+            x = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+            dist.all_reduce(x)
+            assert float(x[0]) == size
+            out[nbytes] = _median_time(lambda: dist.all_reduce(x), torch.cuda.synchronize, nbytes)
+            del x
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _torch_cuda() -> bool:
+    if os.environ.get("TFCS_GPU_DRYRUN") == "1":
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _label(nbytes: int) -> str:
+    if nbytes >= 1 << 30:
+        return f"{nbytes >> 30} GiB"
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def main():
@@ -79,32 +131,43 @@ def main():
     except AssertionError as e:
         movement = f"FAIL: {str(e).splitlines()[0][:200]}"
     bench = run_workers(w_bench, size, sizes, timeout=200)[0]
+    peer = None
+    if _torch_cuda():
+        try:
+            peer = run_workers(w_bench_torch, size, sizes, free_port(), timeout=200)[0]
+        except Exception as e:  # noqa: BLE001 - the peer is context, not a check
+            print(f"torch.distributed peer not measured: {str(e).splitlines()[0][:300]}")
     for f in failures[:10]:
         print("FAIL", f)
     ok = passed == cases and movement == "PASS" and not tf_loaded
-    print(f"\nnccl backend on {size} x {bench['device']}, cupy {bench['cupy']}, NCCL {bench['nccl']}, seed {seed}\n")
-    print("| check | result |")
+    how = (f"{size} ranks on one GPU, each its own NCCL host (NCCL_HOSTID; socket transport over loopback)"
+           if emulated_hosts() else f"{size} rank(s), one per GPU")
+    print(f"\nnccl backend: {how}; {bench['device']}, cupy {bench['cupy']}, NCCL {bench['nccl']}, seed {seed}")
+    if peer:
+        print(f"peer: torch {peer['torch']} torch.distributed NCCL {peer['nccl']}, same ranks")
+    print("\n| check | result |")
     print("|---|---|")
     print(f"| allreduce: 5 ops x 9 dtypes (44 pairs) x 2 shapes x {size} rank(s) vs numpy | {passed}/{cases} "
           f"{'PASS' if passed == cases else 'FAIL'} |")
-    print(f"| broadcast, allgather (uneven), reduce_scatter, grouped, barrier, stream order, DLPack, host refusal | "
-          f"{movement} |")
+    print(f"| broadcast, allgather (uneven), reduce_scatter, grouped, barrier, stream order, DLPack, host refusal, "
+          f"cupy bfloat16 | {movement} |")
     print(f"| TensorFlow imported by the nccl path | {'yes (FAIL)' if tf_loaded else 'no'} |")
-    print("\n| all-reduce float32 | time (median) | algbw GB/s | busbw GB/s |")
-    print("|---|---|---|---|")
+    print("\n| all-reduce float32 | tfcs time (median) | algbw GB/s | busbw GB/s | torch time (median) | tfcs / torch |")
+    print("|---|---|---|---|---|---|")
     rows = {}
     for nbytes in sizes:
         t = bench[nbytes]
         algbw = nbytes / t / 1e9
         busbw = algbw * 2 * (size - 1) / size if size > 1 else algbw
-        rows[nbytes] = {"time_s": t, "algbw_GBps": algbw, "busbw_GBps": busbw}
-        label = f"{nbytes >> 30} GiB" if nbytes >= 1 << 30 else f"{nbytes >> 20} MiB"
-        print(f"| {label} | {t * 1e3:.3f} ms | {algbw:.1f} | {busbw:.1f} |")
-    if size == 1:
-        print("\n(one GPU: NCCL runs a one-rank communicator; busbw is reported as algbw)")
+        tp = peer.get(nbytes) if peer else None
+        rows[nbytes] = {"time_s": t, "algbw_GBps": algbw, "busbw_GBps": busbw, "torch_time_s": tp}
+        vs = f"{tp * 1e3:.3f} ms | {t / tp:.2f}" if tp else "n/a | n/a"
+        print(f"| {_label(nbytes)} | {t * 1e3:.3f} ms | {algbw:.2f} | {busbw:.2f} | {vs} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"world": size, "device": bench["device"], "cupy": bench["cupy"], "nccl": bench["nccl"],
+            json.dump({"world": size, "emulated_hosts": emulated_hosts(), "device": bench["device"],
+                       "cupy": bench["cupy"], "nccl": bench["nccl"], "peer": peer and {
+                           k: v for k, v in peer.items() if isinstance(k, str)},
                        "seed": seed, "cases": cases, "passed": passed, "movement": movement,
                        "tf_loaded": tf_loaded, "allreduce": {str(k): v for k, v in rows.items()},
                        "date": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)

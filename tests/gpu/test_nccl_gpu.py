@@ -12,15 +12,16 @@ import time
 import numpy as np
 import pytest
 
-from tests.gpu.conftest import gpu_world
+from tests.gpu.conftest import emulate_host, gpu_world
 from tests.helpers import run_workers
-from tests.nccl_cases import _pairs, make_input, reference, to_device, to_host
+from tests.nccl_cases import BF16, _pairs, make_input, reference, to_device, to_host
 
 SEED = int(os.environ.get("TFCS_GPU_SEED", time.time_ns() % (1 << 31)))  # fresh inputs, printed on failure
 SHAPES = [(5, 3), (1000, 257)]
 
 
 def _setup(rank):
+    emulate_host(rank)
     if os.environ.get("TFCS_GPU_DRYRUN") == "1":
         from tests import fakegpu
         fakegpu.install()
@@ -93,6 +94,15 @@ def w_movement(rank, size, seed):
         if torch is not None and torch.cuda.is_available():
             t = torch.full((8,), float(rank + 1), device=f"cuda:{cupy.cuda.Device().id}")
             r["dlpack"] = tfcs.allreduce(t, backend="nccl").get()
+    r["native_bf16"] = None  # cupy >= 14 has bfloat16 arrays of its own (ml_dtypes.bfloat16)
+    try:
+        native = cupy.asarray(np.full((4,), rank + 1.5, dtype=BF16))
+    except Exception:  # noqa: BLE001 - cupy 13 has no bfloat16 dtype: Bfloat16Array is the way there
+        native = None
+    if native is not None and str(native.dtype) == "bfloat16":
+        tot = tfcs.allreduce(native, "sum", backend="nccl")
+        avg = tfcs.allreduce(native, "mean", backend="nccl")
+        r["native_bf16"] = (str(tot.dtype), str(avg.dtype), tot.get().astype(np.float32), avg.get().astype(np.float32))
     try:
         tfcs.allreduce(np.ones(3, np.float32), backend="nccl")
         r["cpu_refused"] = "no error"
@@ -117,4 +127,9 @@ def test_broadcast_allgather_reduce_scatter_grouped_barrier_streams_and_refusals
         assert r["stream_ok"]
         if r["dlpack"] is not None:
             np.testing.assert_array_equal(r["dlpack"], np.full(8, sum(range(1, size + 1)), np.float32))
+        if r["native_bf16"] is not None:
+            total = sum(q + 1.5 for q in range(size))  # exact in bfloat16 for up to 8 ranks
+            assert r["native_bf16"][:2] == ("bfloat16", "bfloat16"), r["native_bf16"]
+            np.testing.assert_array_equal(r["native_bf16"][2], np.full(4, total, np.float32))
+            np.testing.assert_array_equal(r["native_bf16"][3], np.full(4, total / size, np.float32))
         assert r["cpu_refused"].startswith("UnsupportedOperationError"), r["cpu_refused"]

@@ -72,8 +72,8 @@ def finish_mean(buf: bufmod.DeviceBuffer, world: int) -> None:
     if world == 1:
         return
     arr = buf.array
-    if buf.dtype == "bfloat16" and str(arr.dtype) == "uint16":
-        _bf16_divide(arr, world)
+    if buf.dtype == "bfloat16":  # bits in uint16 (Bfloat16Array), or cupy >= 14's own bfloat16 arrays
+        _bf16_divide(arr if str(arr.dtype) == "uint16" else arr.view("uint16"), world)
     elif arr.dtype.kind in "iu":
         arr //= world
     else:

@@ -3,8 +3,9 @@
 What the nccl backend accepts, and what it gives back:
 
 * a ``cupy.ndarray`` -> a ``cupy.ndarray`` (bool and every dtype of ``types.nccl_dtypes()``);
-* ``Bfloat16Array(u16)``, a uint16 cupy array whose bits are bfloat16 values (cupy has no bfloat16
-  arrays; ``ml_dtypes.bfloat16`` numpy data ``.view(np.uint16)`` goes in as it is) -> the same wrapper;
+* ``Bfloat16Array(u16)``, a uint16 cupy array whose bits are bfloat16 values (cupy before 14 has no
+  bfloat16 arrays; ``ml_dtypes.bfloat16`` numpy data ``.view(np.uint16)`` goes in as it is) -> the
+  same wrapper; cupy >= 14's own bfloat16 arrays are cupy arrays like any other;
 * any object with ``__dlpack__`` on a CUDA device (a torch or JAX GPU tensor) -> a ``cupy.ndarray``
   that shares memory with nothing of the caller's (the result is new memory); the input is imported
   without a copy through ``cupy.from_dlpack``, which asks the producer to order its stream before
