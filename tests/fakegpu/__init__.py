@@ -15,6 +15,9 @@ Fault injection (environment variables, read when a communicator is created):
   FAKE_NCCL_HANG_AT=k   the k-th collective (0-based) of this rank never completes (its event stays
                         pending): the backend's deadline must fire and abort the communicator.
   FAKE_NCCL_ASYNC_ERROR_AT=k   after the k-th collective, check_async_error raises NcclError.
+
+``FAKE_CUPY_MAJOR=14`` (read by ``install``) makes the unique id bytes, as cupy 14 has it (cupy 13:
+a tuple of C char values).
 """
 
 from __future__ import annotations
@@ -103,17 +106,23 @@ class _Event:
         return not self._pending
 
 
-_state = {"hung": False, "depth": 0, "queue": []}
+_state = {"hung": False, "depth": 0, "queue": [], "cupy_major": 13}
 
 
 class NcclCommunicator:
     def __init__(self, ndev, uid, rank):
-        # as cupy's ``__init__(self, int ndev, tuple commId, int rank)`` fills a C ``char[128]`` (x86: signed)
-        if not isinstance(uid, tuple):
-            raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got {type(uid).__name__})")
-        if len(uid) != 128 or any(not -128 <= c <= 127 for c in uid):
-            raise OverflowError("value too large to convert to char")
-        uid = np.array(uid, dtype=np.int8).tobytes()
+        if _state["cupy_major"] >= 14:  # cupy 14: ``__init__(self, int ndev, bytes commId, int rank)``
+            if not isinstance(uid, bytes):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(uid).__name__})")
+            if len(uid) != 128:
+                raise ValueError("commId must be 128 bytes")
+        else:
+            # as cupy 13's ``__init__(self, int ndev, tuple commId, int rank)`` fills a C ``char[128]`` (x86: signed)
+            if not isinstance(uid, tuple):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got {type(uid).__name__})")
+            if len(uid) != 128 or any(not -128 <= c <= 127 for c in uid):
+                raise OverflowError("value too large to convert to char")
+            uid = np.array(uid, dtype=np.int8).tobytes()
         from tf_commstrategy.process import default_group
         self._grpc = default_group().backend("grpc")
         self._rank, self._size = rank, ndev
@@ -210,8 +219,13 @@ def install():
         setattr(nccl, name, value)
     nccl.available = True
     nccl.NcclCommunicator, nccl.NcclError = NcclCommunicator, NcclError
-    # cupy returns the id as a tuple of C char values: signed on x86, so bytes >= 128 come out negative
-    nccl.get_unique_id = lambda: tuple(np.frombuffer(os.urandom(128), dtype=np.int8).tolist())
+    # cupy 13 returns the id as a tuple of C char values: signed on x86, so bytes >= 128 come out
+    # negative; cupy 14 returns bytes (FAKE_CUPY_MAJOR=14 acts as cupy 14)
+    _state["cupy_major"] = int(os.environ.get("FAKE_CUPY_MAJOR", "13"))
+    if _state["cupy_major"] >= 14:
+        nccl.get_unique_id = lambda: os.urandom(128)
+    else:
+        nccl.get_unique_id = lambda: tuple(np.frombuffer(os.urandom(128), dtype=np.int8).tolist())
     nccl.get_version = lambda: 99999
     nccl.groupStart, nccl.groupEnd = _group_start, _group_end
     cupy.cuda, cupy.ndarray = cuda, ndarray

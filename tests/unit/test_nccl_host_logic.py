@@ -4,7 +4,7 @@ and the bfloat16 rounding of a mean (run on numpy here; on cupy on a GPU)."""
 import numpy as np
 import pytest
 
-from tf_commstrategy.backends.nccl.communicator import comm_id, exchange_unique_id
+from tf_commstrategy.backends.nccl.communicator import comm_id, exchange_unique_id, new_nccl_communicator
 from tf_commstrategy.errors import RendezvousError
 
 
@@ -40,6 +40,49 @@ def test_a_missing_or_malformed_id_is_a_rendezvous_error():
     store.set("nccl/uid/0", "AAAA")
     with pytest.raises(RendezvousError, match="expected 128"):
         exchange_unique_id(store, 1, 0, 0.1, lambda: None)
+
+
+def test_a_one_process_job_makes_its_id_without_a_store():
+    raw = bytes(range(128))
+    assert exchange_unique_id(None, 0, 0, 1.0, lambda: raw) == raw  # cupy >= 14 gives bytes
+
+
+def _cupy_nccl(kind):
+    """The argument checks of cupy's NcclCommunicator(ndev, commId, rank), as each cupy build makes them."""
+    made = []
+
+    class NcclCommunicator:
+        def __init__(self, ndev, comm_id, rank):
+            if kind == "cupy14":
+                if not isinstance(comm_id, bytes):
+                    raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got "
+                                    f"{type(comm_id).__name__})")
+            else:
+                if not isinstance(comm_id, tuple):
+                    raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got "
+                                    f"{type(comm_id).__name__})")
+                lo, hi = (-128, 127) if kind == "cupy13-x86" else (0, 255)
+                if any(not lo <= c <= hi for c in comm_id):
+                    raise OverflowError("value too large to convert to char")
+            made.append(bytes(c & 0xFF for c in comm_id))
+
+    return type("nccl", (), {"NcclCommunicator": NcclCommunicator}), made
+
+
+@pytest.mark.parametrize("kind", ["cupy13-x86", "cupy13-arm", "cupy14"])
+def test_the_communicator_gets_the_id_in_the_form_its_cupy_takes(kind):
+    raw = bytes(range(256))[1::2]  # every byte >= 128 half the time
+    nccl, made = _cupy_nccl(kind)
+    new_nccl_communicator(nccl, 2, raw, 1)
+    assert made == [raw]
+
+
+def test_a_type_error_about_something_else_is_not_swallowed():
+    class Refusing:
+        def NcclCommunicator(self, ndev, comm_id, rank):
+            raise TypeError("an integer is required")
+    with pytest.raises(TypeError, match="integer"):
+        new_nccl_communicator(Refusing(), 2, bytes(128), 0)
 
 
 def test_bfloat16_rounding_keeps_nans_and_matches_ml_dtypes():

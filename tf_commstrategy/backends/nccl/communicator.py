@@ -2,7 +2,8 @@
 
 * **Unique id.** Rank 0 calls ``ncclGetUniqueId`` (no GPU needed) and publishes the 128 bytes in
   the job's coordinator store under ``nccl/uid/<generation>``; the others read it from there. No
-  extra service: the store is the rendezvous every job already has.
+  extra service: the store is the rendezvous every job already has (a one-process job has none,
+  and needs none). cupy <= 13 and >= 14 take the id in different forms (``new_nccl_communicator``).
 * **Creation.** ``ncclCommInitRank`` blocks until every rank has joined, so it runs in a helper
   thread (cupy releases the GIL) that the caller waits on with a deadline; each rank first marks
   itself in the store (``nccl/joined/<generation>/<rank>``) so that a timeout can name the ranks that
@@ -51,8 +52,10 @@ def exchange_unique_id(store, rank: int, generation: int, timeout: float, make_i
     """
     key = f"nccl/uid/{generation}"
     if rank == 0:
-        uid = bytes(c & 0xFF for c in make_id())  # cupy gives C char values: negative where char is signed
-        store.set(key, base64.b64encode(uid).decode("ascii"))
+        # cupy <= 13 gives C char values (negative where char is signed), cupy >= 14 bytes
+        uid = bytes(c & 0xFF for c in make_id())
+        if store is not None:  # None: a one-process job, which has no coordinator and no one to tell
+            store.set(key, base64.b64encode(uid).decode("ascii"))
         return uid
     try:
         text = store.get(key, timeout)
@@ -79,6 +82,31 @@ def comm_id(uid: bytes, signed: bool = True) -> tuple:
       128 ints in -128..127 (``signed``) or 0..255.
     """
     return tuple(np.frombuffer(uid, dtype=np.int8 if signed else np.uint8).tolist())
+
+
+def new_nccl_communicator(nccl, size: int, uid: bytes, rank: int):
+    """``nccl.NcclCommunicator(size, id, rank)`` with the id in the form this cupy takes.
+
+    cupy <= 13 takes a tuple of 128 C ``char`` values (signed on x86, unsigned on Arm and POWER),
+    cupy >= 14 the id's 128 bytes; a wrong form is refused by cupy's argument check (``TypeError``
+    or ``OverflowError``) before NCCL is called, so trying the forms in turn is safe.
+
+    Args:
+      nccl: the ``cupy.cuda.nccl`` module.
+      size, rank: the communicator's size and this rank.
+      uid: the id's 128 bytes.
+
+    Returns:
+      The cupy communicator.
+    """
+    try:
+        return nccl.NcclCommunicator(size, comm_id(uid), rank)
+    except OverflowError:  # this platform's char is unsigned: cupy refused the negative values
+        return nccl.NcclCommunicator(size, comm_id(uid, signed=False), rank)
+    except TypeError as e:
+        if "bytes" not in str(e):
+            raise
+        return nccl.NcclCommunicator(size, bytes(uid), rank)  # cupy >= 14
 
 
 def prefer_eager_connect(environ=None) -> None:
@@ -144,17 +172,15 @@ class Communicator:
         import cupy
         uid = exchange_unique_id(store, rank, generation, max(0.1, deadline - time.monotonic()),
                                  nccl.get_unique_id)
-        store.set(f"nccl/joined/{generation}/{rank}", str(device_id))
+        if store is not None:
+            store.set(f"nccl/joined/{generation}/{rank}", str(device_id))
         prefer_eager_connect()
         box = {}
 
         def init():
             try:
                 with cupy.cuda.Device(device_id):
-                    try:
-                        box["comm"] = nccl.NcclCommunicator(size, comm_id(uid), rank)
-                    except OverflowError:  # this platform's char is unsigned: cupy refused the negative values
-                        box["comm"] = nccl.NcclCommunicator(size, comm_id(uid, signed=False), rank)
+                    box["comm"] = new_nccl_communicator(nccl, size, uid, rank)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 box["error"] = e
 
@@ -166,7 +192,7 @@ class Communicator:
             if failure is not None and t.is_alive():
                 raise failure
             if t.is_alive() and time.monotonic() > deadline:
-                missing = cls._not_joined(store, size, generation)
+                missing = cls._not_joined(store, size, generation) if store is not None else []
                 raise CollectiveTimeoutError(
                     f"NCCL communicator #{generation} was not created before the deadline: ranks {missing} "
                     f"never joined it", rank=rank, waiting_for=missing,
