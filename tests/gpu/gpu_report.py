@@ -48,8 +48,9 @@ def _median_time(call, sync, nbytes: int) -> float:
 
 def w_bench(rank, size, sizes):
     cupy, tfcs = T._setup(rank)
+    from cupy.cuda import nccl  # a submodule: cupy 14 does not load it with cupy.cuda
     out = {"device": cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode(),
-           "cupy": cupy.__version__, "nccl": cupy.cuda.nccl.get_version()}
+           "cupy": cupy.__version__, "nccl": nccl.get_version()}
     for nbytes in sizes:
         x = cupy.ones(nbytes // 4, dtype=cupy.float32)
         y = tfcs.allreduce(x, backend="nccl")
