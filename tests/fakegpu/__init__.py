@@ -134,45 +134,53 @@ class NcclCommunicator:
         self.alive = True
 
     # -- collectives on raw pointers, run over the grpc ring --------------------------------------
-    def _submit(self, fn):
+    def _submit(self, fn, call):
         if _state["depth"]:
-            _state["queue"].append(lambda: self._do(fn))
+            _state["queue"].append(lambda: self._do(fn, call))
         else:
-            self._do(fn)
+            self._do(fn, call)
 
-    def _do(self, fn):
+    def _do(self, fn, call):
         if not self.alive:
             raise NcclError("communicator aborted")
         if self._count == self._hang_at:
             _state["hung"] = True
         self._count += 1
         log["collectives"] += 1
-        if not _state["hung"]:
-            fn()
+        if _state["hung"]:
+            return
+        # as NCCL, a call whose kind, count, type or op/root differs between the ranks never completes
+        # (NCCL hangs or mixes data up): the ranks compare the call first, over the grpc ring
+        calls = self._grpc.allgather(np.array(call, dtype=np.int64)).reshape(self._size, -1)
+        if (calls != calls[0]).any():
+            _state["hung"] = True
+            log["mismatched"] = log.get("mismatched", 0) + 1
+            return
+        fn()
 
     def allReduce(self, send, recv, count, dt, op, stream):
         def run():
             r = self._grpc.allreduce(_view(send, count, _DT[dt]).copy(), _OP[op])
             _view(recv, count, _DT[dt])[:] = r
-        self._submit(run)
+        self._submit(run, (0, count, dt, op))
 
     def broadcast(self, send, recv, count, dt, root, stream):
         def run():
             r = self._grpc.broadcast(_view(send, count, _DT[dt]).copy(), root)
             _view(recv, count, _DT[dt])[:] = r
-        self._submit(run)
+        self._submit(run, (1, count, dt, root))
 
     def allGather(self, send, recv, count, dt, stream):
         def run():
             r = self._grpc.allgather(_view(send, count, _DT[dt]).copy())
             _view(recv, count * self._size, _DT[dt])[:] = r
-        self._submit(run)
+        self._submit(run, (2, count, dt, 0))
 
     def reduceScatter(self, send, recv, count, dt, op, stream):
         def run():
             full = self._grpc.allreduce(_view(send, count * self._size, _DT[dt]).copy(), _OP[op])
             _view(recv, count, _DT[dt])[:] = full[self._rank * count:(self._rank + 1) * count]
-        self._submit(run)
+        self._submit(run, (3, count, dt, op))
 
     def check_async_error(self):
         if 0 <= self._err_at < self._count:
@@ -206,10 +214,12 @@ def install():
     cupy = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     nccl = types.ModuleType("cupy.cuda.nccl")
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1,
+                                    memcpyAsync=lambda dst, src, n, kind, stream: ctypes.memmove(dst, src, n))
     stream = types.SimpleNamespace(ptr=0)
     cuda.Device, cuda.Event, cuda.runtime = Device, _Event, runtime
     cuda.get_current_stream = lambda: stream
+    cuda.alloc_pinned_memory = _pinned
     cuda.nccl = nccl
     for name, value in [("NCCL_INT8", 0), ("NCCL_CHAR", 0), ("NCCL_UINT8", 1), ("NCCL_INT32", 2), ("NCCL_INT", 2),
                         ("NCCL_UINT32", 3), ("NCCL_INT64", 4), ("NCCL_UINT64", 5), ("NCCL_FLOAT16", 6),
@@ -265,3 +275,9 @@ class _Stream:
 
     def __exit__(self, *a):
         return False
+
+
+def _pinned(nbytes):
+    """``cupy.cuda.alloc_pinned_memory``: host memory with ``.ptr`` and the buffer protocol."""
+    cls = type("PinnedMemoryPointer", (ctypes.c_char * nbytes,), {"ptr": property(ctypes.addressof)})
+    return cls()

@@ -6,11 +6,15 @@ the collective has completed on the GPU (``Communicator.wait``, with the deadlin
 be read on any stream. DLPack inputs are imported with the stream protocol, which orders the
 producer's stream before ours (see ``buffers``).
 
-Checks: before a call, all ranks all-reduce a 64-bit hash of the call's signature (op, dtype, shape,
-root, sequence number) as ``[h, -h]`` with MAX: every rank then sees whether all hashes were equal,
-and on a mismatch all raise ``CollectiveMismatchError`` with both signatures (read from the store).
-Plain NCCL would hang or corrupt memory instead. ``TFCS_NCCL_CHECK=0`` turns the check off. An
-all-gather exchanges ``[h, rows]`` anyway (for unequal first dimensions), which doubles as its check.
+Checks: with every call, all ranks all-reduce a 64-bit hash of the call's signature (op, dtype,
+shape, root, sequence number) as ``[h, -h]`` with MAX: every rank then sees whether all hashes were
+equal, and on a mismatch all raise ``CollectiveMismatchError`` with both signatures (read from the
+store). Plain NCCL would hang or corrupt data instead. The check is queued just ahead of the
+collective on the same stream, its result copied into pinned host memory behind it, and read while
+waiting for the collective: no host round trip between the two. A mismatched collective that hangs
+is aborted with the communicator once the check's result is in. ``TFCS_NCCL_CHECK=0`` turns the
+check off; a one-rank job needs none. An all-gather exchanges ``[h, rows]`` anyway (for unequal
+first dimensions), which doubles as its check.
 
 Failures: a timeout, an asynchronous NCCL error or a failure seen by the control plane aborts the
 communicator and fails the process group (peers learn it over the gRPC ring); later calls raise
@@ -24,6 +28,8 @@ import logging
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
 
 from ... import config
 from ...core.backend import Backend
@@ -98,6 +104,7 @@ class NcclBackend(Backend):
         self._seq = 0
         self._lock = threading.Lock()
         self._failed: Optional[BaseException] = None
+        self._check_host: Dict[int, tuple] = {}
         self._busy_s = 0.0
         log.info("tf_commstrategy rank %d: nccl backend (NCCL %s, signature checks %s)", self.rank,
                  nccl.get_version(), "on" if self.check else "off")
@@ -137,10 +144,13 @@ class NcclBackend(Backend):
                 with cupy.cuda.Device(device_id):
                     comm = self._comm(device_id, deadline)
                     stream = cupy.cuda.get_current_stream()
-                    if check and self.check:
-                        self._check_signature(comm, stream, sig, seq, deadline)
+                    verify = None
+                    if check and self.check and self.size > 1:
+                        verify = self._queue_signature_check(comm, stream, sig, seq)
                     result = body(comm, stream, seq, deadline)
-                    comm.wait(stream, deadline, sig, seq, self._control_failure)
+                    comm.wait(stream, deadline, sig, seq, self._control_failure, on_poll=verify)
+                    if verify is not None:
+                        verify(final=True)
                     return result
             except TfcsError as e:
                 self._fail(e)
@@ -195,15 +205,34 @@ class NcclBackend(Backend):
             fix="make every rank issue the same collectives in the same order, with the same op, dtype, shape "
                 "and root")
 
-    def _check_signature(self, comm: Communicator, stream, sig: str, seq: int, deadline: float) -> None:
+    def _queue_signature_check(self, comm: Communicator, stream, sig: str, seq: int) -> Callable:
+        """Queue the signature all-reduce and the copy of its result to pinned host memory on ``stream``.
+
+        Returns ``verify(final=False)``: once the check's event is done (always with ``final``), it
+        raises ``CollectiveMismatchError`` if the ranks disagreed; until then it returns at once.
+        """
         import cupy
         h = signature_hash(sig, seq)
-        chk = cupy.asarray([h, -h], dtype=cupy.int64)
+        host = self._check_host.get(comm.device_id)
+        if host is None:  # 16 bytes of pinned memory per GPU, reused: every call waits for its own copy
+            mem = cupy.cuda.alloc_pinned_memory(16)
+            host = self._check_host[comm.device_id] = (mem, np.frombuffer(mem, np.int64, 2))
+        chk = cupy.asarray(np.array([h, -h], dtype=np.int64))
         comm.comm.allReduce(chk.data.ptr, chk.data.ptr, 2, self._nccl.NCCL_INT64, self._nccl.NCCL_MAX, stream.ptr)
-        comm.wait(stream, deadline, f"signature check of [{sig}]", seq, self._control_failure)
-        top, neg_low = (int(v) for v in chk.get(stream=stream))
-        if top != h or neg_low != -h:
-            raise self._mismatch(comm, sig, seq, [])
+        cupy.cuda.runtime.memcpyAsync(host[0].ptr, chk.data.ptr, 16, 2, stream.ptr)  # 2: device to host
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        state = {"done": False, "chk": chk}  # chk stays alive until the all-reduce has run
+
+        def verify(final: bool = False) -> None:
+            if state["done"] or not (final or event.done):
+                return
+            state["done"], state["chk"] = True, None
+            top, neg_low = (int(v) for v in host[1])
+            if top != h or neg_low != -h:
+                raise self._mismatch(comm, sig, seq, [])
+
+        return verify
 
     def _dt(self, buf: bufmod.DeviceBuffer) -> int:
         return nccl_dtype(self._nccl, buf.dtype)
