@@ -8,8 +8,9 @@
 #   1. tests/gpu with one rank per GPU (one rank on a one-GPU host);
 #   2. the report: every op x dtype against numpy with fresh random inputs, the data movement, and
 #      all-reduce times at 4 KiB .. 1 GiB beside torch.distributed's on the same ranks; a table last;
-#   3. on a one-GPU host, the report again with 2 ranks on that GPU, each its own NCCL host
-#      (TFCS_GPU_EMULATE_HOSTS=2: NCCL joins them over its socket transport, as on two machines).
+#   3. on a one-GPU host, tests/gpu and the report again with 2 ranks on that GPU, each its own NCCL
+#      host (TFCS_GPU_EMULATE_HOSTS=2: NCCL joins them over its socket transport, as on two machines);
+#      only there do the mismatch and missing-rank checks run (they need 2 ranks).
 # About 3-5 minutes, at most 9. Writes logs and JSON to $OUT (default /tmp). Exit 0 when every
 # check passed.
 set -uo pipefail
@@ -51,13 +52,18 @@ echo "== report, one rank per GPU"
 timeout 180 "$PY" tests/gpu/gpu_report.py --json "$OUT/gpu_report.json" 2>&1 | tee "$OUT/gpu_report.log"
 report=${PIPESTATUS[0]}
 report2=0
+tests2=0
 if [ "$gpus" = 1 ]; then
     # the same checks with 2 ranks on the one GPU, each its own NCCL host; the two ranks' kernels
     # take turns on the GPU and the data goes through sockets, so only small sizes are timed
+    echo "== tests/gpu, 2 ranks on the one GPU, each its own NCCL host"
+    TFCS_GPU_EMULATE_HOSTS=2 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu --timeout 140 2>&1 \
+        | tee "$OUT/gpu_pytest_2hosts.log"
+    tests2=${PIPESTATUS[0]}
     echo "== report, 2 ranks on the one GPU, each its own NCCL host"
     TFCS_GPU_EMULATE_HOSTS=2 timeout 200 "$PY" tests/gpu/gpu_report.py --sizes 4096,1048576,16777216 \
         --json "$OUT/gpu_report_2hosts.json" 2>&1 | tee "$OUT/gpu_report_2hosts.log"
     report2=${PIPESTATUS[0]}
 fi
-echo "pytest exit $tests, report exit $report (2 hosts: $report2), $(( $(date +%s) - start )) s"
-[ "$tests" = 0 ] && [ "$report" = 0 ] && [ "$report2" = 0 ]
+echo "pytest exit $tests (2 hosts: $tests2), report exit $report (2 hosts: $report2), $(( $(date +%s) - start )) s"
+[ "$tests" = 0 ] && [ "$tests2" = 0 ] && [ "$report" = 0 ] && [ "$report2" = 0 ]

@@ -133,3 +133,61 @@ def test_broadcast_allgather_reduce_scatter_grouped_barrier_streams_and_refusals
             np.testing.assert_array_equal(r["native_bf16"][2], np.full(4, total, np.float32))
             np.testing.assert_array_equal(r["native_bf16"][3], np.full(4, total / size, np.float32))
         assert r["cpu_refused"].startswith("UnsupportedOperationError"), r["cpu_refused"]
+
+
+def w_failures(rank, size):
+    cupy, tfcs = _setup(rank)
+    from tf_commstrategy.process import default_group
+    x = cupy.ones(4, dtype=cupy.float32)
+    tfcs.allreduce(x, backend="nccl")  # the communicator is up
+    out = {}
+    t0 = time.monotonic()
+    try:  # rank 0 sends 4 floats, the others 5: NCCL alone would hang or mix data up
+        tfcs.allreduce(cupy.ones(4 if rank == 0 else 5, dtype=cupy.float32), backend="nccl", timeout=30)
+        out["mismatch"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the parent checks class and message
+        out["mismatch"] = f"{type(e).__name__}: {e}"
+    out["mismatch_s"] = time.monotonic() - t0
+    try:
+        tfcs.allreduce(x, backend="nccl")
+        out["after"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["after"] = type(e).__name__
+    out["grpc_failure"] = type(default_group().backend("grpc").failure()).__name__
+    return out
+
+
+def w_missing_rank(rank, size):
+    cupy, tfcs = _setup(rank)
+    from tf_commstrategy.process import default_group
+    tfcs.allreduce(cupy.ones(4, dtype=cupy.float32), backend="nccl")
+    grpc = default_group().backend("grpc")
+    t0 = time.monotonic()
+    if rank == 0:  # the others never join this one: the deadline aborts NCCL's spinning kernel
+        try:
+            tfcs.allreduce(cupy.ones(1 << 20, dtype=cupy.float32), backend="nccl", timeout=5)
+            return "no error", time.monotonic() - t0
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}", time.monotonic() - t0
+    while grpc.failure() is None and time.monotonic() - t0 < 60:  # they hear of it over the control plane
+        time.sleep(0.05)
+    return type(grpc.failure()).__name__, time.monotonic() - t0
+
+
+@pytest.mark.timeout(300)
+def test_a_mismatched_call_and_a_missing_rank_end_in_typed_errors_not_hangs():
+    size = gpu_world()
+    if size < 2:
+        pytest.skip("needs 2 ranks: several GPUs, or TFCS_GPU_EMULATE_HOSTS=2 on one")
+    for rank, r in enumerate(run_workers(w_failures, size, timeout=120)):
+        assert r["mismatch"].startswith("CollectiveMismatchError"), (rank, r)
+        assert "float32[4]" in r["mismatch"] and "float32[5]" in r["mismatch"], (rank, r)
+        assert r["mismatch_s"] < 20, (rank, r)  # the verdict, not the 30 s deadline
+        assert r["after"] == "CollectiveError", (rank, r)  # the backend stays failed until a restart
+    if os.environ.get("TFCS_GPU_DRYRUN") == "1":
+        return  # the fake runs calls on the host thread: a missing rank blocks it (tests/multiprocess cover this)
+    results = run_workers(w_missing_rank, size, timeout=120)
+    what, took = results[0]
+    assert what.startswith("CollectiveTimeoutError") and 4.5 < took < 15, results[0]
+    for rank in range(1, size):
+        assert results[rank][0] != "NoneType" and results[rank][1] < 30, (rank, results[rank])
