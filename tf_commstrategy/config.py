@@ -250,8 +250,8 @@ def _positive_float(s: str) -> float:
 
 
 def nccl_check_from_env(environ=None) -> bool:
-    """``TFCS_NCCL_CHECK``: 1 (default) checks, before every nccl collective, that all ranks make the
-    same call (one 16-byte all-reduce); 0 skips the check (a mismatched call then hangs until the
-    deadline or corrupts data, as in plain NCCL)."""
+    """``TFCS_NCCL_CHECK``: 1 (default) checks, with every nccl collective, that all ranks make the
+    same call (one 16-byte all-reduce queued just ahead of it); 0 skips the check (a mismatched call
+    then hangs until the deadline or mixes data up, as in plain NCCL)."""
     return env_value("TFCS_NCCL_CHECK", lambda s: s.strip().lower() not in ("0", "false", "no", "off"), True,
                      environ)

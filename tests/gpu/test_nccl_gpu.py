@@ -191,3 +191,23 @@ def test_a_mismatched_call_and_a_missing_rank_end_in_typed_errors_not_hangs():
     assert what.startswith("CollectiveTimeoutError") and 4.5 < took < 15, results[0]
     for rank in range(1, size):
         assert results[rank][0] != "NoneType" and results[rank][1] < 30, (rank, results[rank])
+
+
+def w_shared_gpu(rank, size):
+    cupy, tfcs = _setup(rank)  # both ranks on GPU 0 of a one-GPU host, one NCCL host
+    try:
+        tfcs.allreduce(cupy.ones(4, dtype=cupy.float32), backend="nccl", timeout=60)
+        return "no error"
+    except Exception as e:  # noqa: BLE001 - the parent checks class and message
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_on_one_gpu_are_refused_with_the_fix():
+    if os.environ.get("TFCS_GPU_DRYRUN") == "1" or os.environ.get("TFCS_GPU_EMULATE_HOSTS") or gpu_world() != 1:
+        pytest.skip("needs a host with exactly one GPU, ranks not posing as hosts of their own")
+    out = run_workers(w_shared_gpu, 2, expect_failure=True, timeout=150)
+    texts = [value for kind, value in out.values()]
+    assert all(kind == "ok" for kind, _ in out.values()), out
+    assert all(t != "no error" for t in texts), texts  # NCCL refused: nobody went on with a broken job
+    assert any(t.startswith("CollectiveError") and "two ranks on one GPU" in t for t in texts), texts
