@@ -10,7 +10,8 @@
 #      all-reduce times at 4 KiB .. 1 GiB beside torch.distributed's on the same ranks; a table last;
 #   3. on a one-GPU host, tests/gpu and the report again with 2 ranks on that GPU, each its own NCCL
 #      host (TFCS_GPU_EMULATE_HOSTS=2: NCCL joins them over its socket transport, as on two machines);
-#      only there do the mismatch and missing-rank checks run (they need 2 ranks).
+#      only there do the mismatch and missing-rank checks run (they need 2 ranks);
+#   4. one summary table of all of it (tests/gpu/gpu_summary.py), the exit codes on the line after.
 # About 3-5 minutes, at most 9. Writes logs and JSON to $OUT (default /tmp). Exit 0 when every
 # check passed.
 set -uo pipefail
@@ -65,5 +66,7 @@ if [ "$gpus" = 1 ]; then
         --json "$OUT/gpu_report_2hosts.json" 2>&1 | tee "$OUT/gpu_report_2hosts.log"
     report2=${PIPESTATUS[0]}
 fi
+"$PY" tests/gpu/gpu_summary.py "$OUT"
+echo
 echo "pytest exit $tests (2 hosts: $tests2), report exit $report (2 hosts: $report2), $(( $(date +%s) - start )) s"
 [ "$tests" = 0 ] && [ "$tests2" = 0 ] && [ "$report" = 0 ] && [ "$report2" = 0 ]
