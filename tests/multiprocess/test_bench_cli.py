@@ -62,3 +62,22 @@ def test_bench_compares_with_tf_ring(tmp_path):
     stdout, data = _bench(tmp_path, "--compare", "tf-ring")
     assert set(data["results"]) == {"tfcs", "tf-ring"}
     assert "tfcs/tf-ring" in stdout
+
+
+def test_bench_nccl_runs_without_tensorflow_on_the_fake_gpu(tmp_path):
+    """`tfcs-bench --backend nccl` as a GPU host without TensorFlow runs it: every worker gets the fake
+    GPU of tests/fakegpu (through sitecustomize) and an import of tensorflow fails."""
+    site = tmp_path / "site"
+    (site / "tensorflow").mkdir(parents=True)
+    (site / "tensorflow" / "__init__.py").write_text("raise ImportError('no TensorFlow on this GPU host')\n")
+    (site / "sitecustomize.py").write_text("from tests import fakegpu\nfakegpu.install()\n")
+    import os
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "tf_commstrategy.bench.cli", "-np", "2", "--backend", "nccl",
+                        "--sizes", "4K,256K", "--budget", "0.05", "--json", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "backend nccl, transport nccl" in r.stdout and "| 256 KiB |" in r.stdout, r.stdout
+    rows = json.loads(out.read_text())["results"]["tfcs"]
+    assert set(rows) == {"4096", "262144"} and all(row["median_s"] > 0 for row in rows.values())
