@@ -107,19 +107,75 @@ def test_broadcast_allgather_reduce_scatter_grouped_barrier(size):
         assert r["staged"][1] == "cupy.ndarray"
 
 
-def w_mismatch(rank, size):
+def w_mismatch(rank, size, shapes):
     cupy, tfcs, fake = _setup()
     tfcs.allreduce(cupy.asarray(np.ones(2, np.float32)), backend="nccl")
-    n = 4 if rank == 0 else 5
-    tfcs.allreduce(cupy.asarray(np.ones(n, np.float32)), backend="nccl", timeout=20)
+    shape = shapes[0] if rank == 0 else shapes[1]
+    tfcs.allreduce(cupy.asarray(np.ones(shape, np.float32)), backend="nccl", timeout=20)
 
 
-def test_mismatched_calls_raise_on_every_rank_with_both_signatures():
-    out = run_workers(w_mismatch, 2, expect_failure=True, timeout=90)
-    for rank in (0, 1):
+@pytest.mark.parametrize("size,shapes", [
+    (2, [(4,), (5,)]),     # counts differ: NCCL never completes the call; the verdict ends the wait
+    (3, [(4,), (5,)]),     # a rank that reads another's mismatch first must not make the rest see only an abort
+    (2, [(2, 2), (4,)]),   # same count, same NCCL call: it completes, with data that must not be returned
+], ids=["2-ranks-hang", "3-ranks-hang", "same-count"])
+def test_mismatched_calls_raise_on_every_rank_with_both_signatures(size, shapes):
+    out = run_workers(w_mismatch, size, shapes, expect_failure=True, timeout=90)
+    mine = ["float32" + str(list(s)) for s in shapes]
+    for rank in range(size):
         kind, (cls, msg, _tb) = out[rank]
         assert kind == "error" and cls == "CollectiveMismatchError", out[rank]
-        assert "float32[4]" in msg and "float32[5]" in msg, msg
+        assert mine[0] in msg and mine[1] in msg, msg
+
+
+def w_mixed_check_setting(rank, size):
+    import os
+    os.environ["TFCS_NCCL_CHECK"] = "1" if rank == 0 else "0"  # read when the backend is built
+    cupy, tfcs, fake = _setup()
+    tfcs.allreduce(cupy.asarray(np.ones(2, np.float32)), backend="nccl", timeout=20)
+
+
+def test_ranks_with_different_signature_check_settings_are_refused():
+    out = run_workers(w_mixed_check_setting, 2, expect_failure=True, timeout=90)
+    for rank in (0, 1):
+        kind, (cls, msg, _tb) = out[rank]
+        assert kind == "error" and cls == "ConfigurationError", out[rank]
+        assert "check=1" in msg and "check=0" in msg and "TFCS_NCCL_CHECK" in msg, msg
+
+
+def w_interrupted(rank, size):
+    import _thread
+    import threading
+    cupy, tfcs, fake = _setup()
+    x = cupy.asarray(np.ones(3, np.float32))
+    tfcs.allreduce(x, backend="nccl", timeout=30)  # collectives #0 and #1: check and data
+    if rank == 0:  # Ctrl-C while the next call waits for the GPU (its data collective, #3, never completes)
+        threading.Timer(1.0, _thread.interrupt_main).start()
+        try:
+            tfcs.allreduce(x, backend="nccl", timeout=30)
+            first = "no error"
+        except KeyboardInterrupt:
+            first = "KeyboardInterrupt"
+    else:
+        try:
+            tfcs.allreduce(x, backend="nccl", timeout=30)
+            first = "no error"
+        except tfcs.TfcsError as e:
+            first = type(e).__name__
+    try:
+        tfcs.allreduce(x, backend="nccl", timeout=30)
+        after = "no error"
+    except tfcs.TfcsError as e:
+        after = f"{type(e).__name__}: {e}"
+    return first, after, fake.log["aborted"]
+
+
+def test_an_interrupted_call_aborts_the_communicator_and_tells_the_peers():
+    (first0, after0, aborted0), (first1, after1, aborted1) = run_workers(
+        w_interrupted, 2, env={"FAKE_NCCL_HANG_AT": "3"}, timeout=90)
+    assert first0 == "KeyboardInterrupt" and aborted0 >= 1
+    assert after0.startswith("CollectiveError") and "interrupted (KeyboardInterrupt)" in after0, after0
+    assert first1 == "CollectiveAbortedError" and aborted1 >= 1  # within its deadline's 30 s: told at once
 
 
 def w_hang(rank, size):

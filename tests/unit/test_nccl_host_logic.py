@@ -1,6 +1,8 @@
 """Host-side logic of the nccl backend: the unique id between cupy (a tuple of C char values) and the store,
 and the bfloat16 rounding of a mean (run on numpy here; on cupy on a GPU)."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -128,3 +130,52 @@ def test_an_asynchronous_nccl_error_aborts_the_communicator_and_is_typed(error, 
         c.check_async("allreduce op=sum", 5)
     assert comm.aborted and c.comm is None
     assert info.value.rank == 0 and info.value.seq == 5
+
+
+class _NeverDone:
+    """A cupy event behind a collective that never completes."""
+
+    def __init__(self, block=False, disable_timing=True):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    done = False
+
+
+class _HealthyComm:
+    def check_async_error(self):
+        pass
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_a_rank_told_of_a_failure_gives_its_own_verdict_first(monkeypatch):
+    """Another rank saw the mismatch and aborted: this rank must raise the mismatch too, not only the abort."""
+    import sys
+    import types
+    from tf_commstrategy.backends.nccl.communicator import Communicator
+    from tf_commstrategy.errors import CollectiveAbortedError, CollectiveMismatchError
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_NeverDone)))
+    calls = []
+
+    def verdict(settle=False):  # the check's result arrives only once the rank waits for it
+        calls.append(settle)
+        if settle:
+            raise CollectiveMismatchError("ranks disagree on nccl collective #3", rank=1)
+
+    comm = _HealthyComm()
+    c = Communicator(_FakeNccl, comm, 0, 1, 1, 3)
+    with pytest.raises(CollectiveMismatchError):
+        c.wait(None, time.monotonic() + 5, "allreduce", 3, lambda: CollectiveAbortedError("rank 2 aborted", rank=1),
+               on_poll=verdict)
+    assert calls == [False, True]
+    # without a verdict to give, the control plane's error is raised and the communicator aborted
+    comm = _HealthyComm()
+    c = Communicator(_FakeNccl, comm, 0, 1, 1, 3)
+    with pytest.raises(CollectiveAbortedError):
+        c.wait(None, time.monotonic() + 5, "allreduce", 3, lambda: CollectiveAbortedError("rank 2 aborted", rank=1),
+               on_poll=lambda settle=False: None)
+    assert comm.aborted

@@ -6,7 +6,7 @@ the collective has completed on the GPU (``Communicator.wait``, with the deadlin
 be read on any stream. DLPack inputs are imported with the stream protocol, which orders the
 producer's stream before ours (see ``buffers``).
 
-Checks: with every call, all ranks all-reduce a 64-bit hash of the call's signature (op, dtype,
+Checks: with every call, all ranks all-reduce a 62-bit hash of the call's signature (op, dtype,
 shape, root, sequence number) as ``[h, -h]`` with MAX: every rank then sees whether all hashes were
 equal, and on a mismatch all raise ``CollectiveMismatchError`` with both signatures (read from the
 store). Plain NCCL would hang or corrupt data instead. The check is queued just ahead of the
@@ -36,14 +36,14 @@ from ...core.backend import Backend
 from ...core.reduce_ops import ReduceOp
 from ...errors import CollectiveError, CollectiveMismatchError, TfcsError, UnsupportedOperationError
 from . import buffers as bufmod
-from .communicator import Communicator, describe_nccl_error, is_remote_error
+from .communicator import SETTLE_S, Communicator, describe_nccl_error, is_remote_error
 from .types import nccl_dtype, nccl_op
 
 log = logging.getLogger("tf_commstrategy")
 
 
 def signature_hash(sig: str, seq: int) -> int:
-    """A 63-bit hash of a call's signature and sequence number (equal on ranks making the same call)."""
+    """A 62-bit hash of a call's signature and sequence number (equal on ranks making the same call)."""
     digest = hashlib.blake2b(f"{seq}|{sig}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
@@ -122,7 +122,8 @@ class NcclBackend(Backend):
             generation = self._generation
             self._generation += 1
             comm = Communicator.create(self._nccl, self.group.store, self.rank, self.size, device_id,
-                                       generation, deadline, self._control_failure)
+                                       generation, deadline, self._control_failure,
+                                       settings=f"check={int(self.check)}")
             self._comms[device_id] = comm
             log.info("tf_commstrategy rank %d: NCCL communicator #%d on GPU %d (%d ranks)", self.rank,
                      generation, device_id, self.size)
@@ -167,6 +168,11 @@ class NcclBackend(Backend):
                                               "(tfcs-run --max-restarts)")
                 self._fail(err)
                 raise err from e
+            except BaseException as e:  # KeyboardInterrupt, SystemExit: what the GPU still runs is unknown
+                self._fail(CollectiveError(f"collective #{seq} [{sig}] was interrupted ({type(e).__name__}); the "
+                                           f"NCCL communicator was aborted", rank=self.rank, seq=seq,
+                                           fix="restart the job (tfcs-run --max-restarts)"))
+                raise
             finally:
                 self._busy_s += time.monotonic() - t0
 
@@ -183,7 +189,10 @@ class NcclBackend(Backend):
     def _mismatch(self, comm: Communicator, sig: str, seq: int, hashes: Sequence[int]) -> CollectiveMismatchError:
         store = self.group.store
         key = f"nccl/sig/{comm.generation}/{seq}"
-        store.set(f"{key}/{self.rank}", sig)
+        try:
+            store.set(f"{key}/{self.rank}", sig)
+        except Exception:  # noqa: BLE001 - the mismatch is the error; the peers then read "(unknown ...)"
+            pass
         mine = signature_hash(sig, seq)
         other, theirs = None, "(unknown: it did not report its call in time)"
         end = time.monotonic() + 5.0  # for all the peers together, however many stay silent
@@ -208,8 +217,10 @@ class NcclBackend(Backend):
     def _queue_signature_check(self, comm: Communicator, stream, sig: str, seq: int) -> Callable:
         """Queue the signature all-reduce and the copy of its result to pinned host memory on ``stream``.
 
-        Returns ``verify(final=False)``: once the check's event is done (always with ``final``), it
-        raises ``CollectiveMismatchError`` if the ranks disagreed; until then it returns at once.
+        Returns ``verify(final=False, settle=False)``: once the check's event is done (always with
+        ``final``; ``settle`` first waits up to ``SETTLE_S`` for it), it raises
+        ``CollectiveMismatchError`` if the ranks disagreed, after aborting the communicator (the
+        mismatched collective may never end); until then it returns at once.
         """
         import cupy
         h = signature_hash(sig, seq)
@@ -224,12 +235,19 @@ class NcclBackend(Backend):
         event.record(stream)
         state = {"done": False, "chk": chk}  # chk stays alive until the all-reduce has run
 
-        def verify(final: bool = False) -> None:
-            if state["done"] or not (final or event.done):
+        def verify(final: bool = False, settle: bool = False) -> None:
+            if state["done"]:
+                return
+            if settle:
+                end = time.monotonic() + SETTLE_S
+                while not event.done and time.monotonic() < end:
+                    time.sleep(1e-4)
+            if not (final or event.done):
                 return
             state["done"], state["chk"] = True, None
             top, neg_low = (int(v) for v in host[1])
             if top != h or neg_low != -h:
+                comm.abort()
                 raise self._mismatch(comm, sig, seq, [])
 
         return verify

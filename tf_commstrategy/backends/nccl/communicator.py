@@ -11,7 +11,7 @@
   NCCL then connects the peers during creation (bounded by that deadline) instead of inside the first
   collective's launch, which blocks the host with no way to time it out.
 * **Waiting.** A collective is enqueued on a CUDA stream and completes on the GPU. ``wait`` records
-  an event behind it and polls it (sleeping from 0 up to 0.25 ms between polls), and on every poll also
+  an event behind it and polls it (for 0.2 ms without sleeping, then sleeping up to 0.25 ms between polls), and on every poll also
   checks the control plane (a peer lost or an abort seen by the gRPC ring) and, every 10 ms,
   ``ncclCommGetAsyncError``. On a deadline, a control-plane failure or an asynchronous NCCL error
   the communicator is aborted (``ncclCommAbort``, which also stops its kernels) and a typed error is
@@ -28,9 +28,11 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from ...errors import CollectiveError, CollectiveTimeoutError, RendezvousError, TfcsError
+from ...errors import CollectiveError, CollectiveTimeoutError, ConfigurationError, RendezvousError, TfcsError
 
-POLL_MAX_S = 2.5e-4  # the longest sleep between polls: a finished collective waits at most this long
+SPIN_S = 2e-4  # polls without sleeping (only yielding the CPU) for this long: small collectives end in tens of us
+POLL_MAX_S = 2.5e-4  # then sleeps between polls, growing to this (plus the OS's timer slack, ~50 us)
+SETTLE_S = 1.0  # how long a rank told of a peer's failure waits for its own signature verdict
 ASYNC_CHECK_S = 0.01
 
 
@@ -149,7 +151,7 @@ class Communicator:
 
     @classmethod
     def create(cls, nccl, store, rank: int, size: int, device_id: int, generation: int, deadline: float,
-               control_failure: Callable[[], Optional[BaseException]]) -> "Communicator":
+               control_failure: Callable[[], Optional[BaseException]], settings: str = "") -> "Communicator":
         """Create communicator ``generation`` on every rank (a collective call).
 
         Args:
@@ -160,11 +162,13 @@ class Communicator:
           generation: the communicator's number (the same on every rank).
           deadline: ``time.monotonic()`` by which it must exist.
           control_failure: returns the control plane's error once the job failed, else None.
+          settings: what every rank must have alike (``"check=1"``): compared once all have joined.
 
         Returns:
           The communicator.
 
         Raises:
+          ConfigurationError: the ranks' ``settings`` differ (the communicator is aborted).
           CollectiveTimeoutError: some ranks did not join before the deadline (named).
           CollectiveError: NCCL refused (e.g. two ranks on one GPU), or the job failed meanwhile.
           RendezvousError: the unique id did not arrive.
@@ -173,7 +177,7 @@ class Communicator:
         uid = exchange_unique_id(store, rank, generation, max(0.1, deadline - time.monotonic()),
                                  nccl.get_unique_id)
         if store is not None:
-            store.set(f"nccl/joined/{generation}/{rank}", str(device_id))
+            store.set(f"nccl/joined/{generation}/{rank}", f"{device_id}|{settings}")
         prefer_eager_connect()
         box = {}
 
@@ -200,7 +204,26 @@ class Communicator:
                         "communicator), or raise timeout=")
         if "error" in box:
             raise _init_error(box["error"], rank, size, device_id, generation) from box["error"]
-        return cls(nccl, box["comm"], device_id, generation, rank, size)
+        made = cls(nccl, box["comm"], device_id, generation, rank, size)
+        if store is not None and size > 1:
+            made._same_settings(store, settings, deadline)
+        return made
+
+    def _same_settings(self, store, settings: str, deadline: float) -> None:
+        """Every rank has joined (NCCL made the communicator): their settings must be this rank's."""
+        for r in range(self.size):
+            try:
+                theirs = store.get(f"nccl/joined/{self.generation}/{r}",
+                                   max(1.0, deadline - time.monotonic())).split("|", 1)[-1]
+            except TfcsError as e:
+                self.abort()
+                raise CollectiveError(f"could not read rank {r}'s nccl settings ({e})", rank=self.rank) from None
+            if theirs != settings:
+                self.abort()
+                raise ConfigurationError(
+                    f"the ranks disagree on nccl settings: rank {r} has [{theirs}], rank {self.rank} has "
+                    f"[{settings}]; a signature check on one rank would pair with another rank's collective",
+                    rank=self.rank, fix="set TFCS_NCCL_CHECK the same on every rank (or leave it unset)")
 
     @staticmethod
     def _not_joined(store, size: int, generation: int) -> List[int]:
@@ -223,7 +246,9 @@ class Communicator:
           what: the collective's signature, for messages.
           seq: its sequence number.
           control_failure: returns the control plane's error once the job failed, else None.
-          on_poll: called on every poll; what it raises ends the wait (the signature check's verdict).
+          on_poll: ``on_poll(settle=False)`` is called on every poll; what it raises ends the wait (the
+            signature check's verdict). Once the control plane reports a failure, it is called with
+            ``settle=True`` first, so that a rank which would see a mismatch itself says so.
 
         Raises:
           CollectiveTimeoutError: not done by the deadline (the communicator is aborted).
@@ -234,15 +259,18 @@ class Communicator:
         event = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         delay = 0.0
-        next_async = time.monotonic() + ASYNC_CHECK_S
+        start = time.monotonic()
+        next_async = start + ASYNC_CHECK_S
         while not event.done:
             now = time.monotonic()
-            failure = control_failure()
-            if failure is not None:
-                self.abort()
-                raise failure
             if on_poll is not None:
                 on_poll()
+            failure = control_failure()
+            if failure is not None:
+                if on_poll is not None:  # another rank saw a mismatch: this rank's verdict is due as well
+                    on_poll(settle=True)
+                self.abort()
+                raise failure
             if now >= next_async:
                 next_async = now + ASYNC_CHECK_S
                 self.check_async(what, seq)
@@ -253,6 +281,9 @@ class Communicator:
                     f"communicator was aborted)", rank=self.rank, seq=seq,
                     fix="check that every rank makes the same collectives and that no rank is stuck; raise "
                         "timeout= (or TFCS_TIMEOUT) for very large transfers")
+            if now - start < SPIN_S:
+                os.sched_yield()  # lets other threads run (the GIL is released); time.sleep(0) can last 90 us
+                continue
             time.sleep(delay)
             delay = min(POLL_MAX_S, delay * 2 if delay else 2e-5)
         self.check_async(what, seq)
