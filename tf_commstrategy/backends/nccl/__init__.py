@@ -38,7 +38,8 @@ def availability() -> Optional[str]:
     return None
 
 
-_FIX = ("install the nccl extra (pip install 'tf_commstrategy[nccl]': cupy-cuda12x and the NCCL runtime) on a "
+_FIX = ("install the nccl extra (pip install 'tf_commstrategy[nccl]': cupy-cuda12x and the NCCL runtime; "
+        "'tf_commstrategy[nccl-cu13]' for a CUDA 13 driver) on a "
         "machine with an NVIDIA GPU, or use backend='grpc' / CommunicationOptions(implementation=RING)")
 
 
