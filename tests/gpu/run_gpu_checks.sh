@@ -11,7 +11,8 @@
 #   3. on a one-GPU host, tests/gpu and the report again with 2 ranks on that GPU, each its own NCCL
 #      host (TFCS_GPU_EMULATE_HOSTS=2: NCCL joins them over its socket transport, as on two machines);
 #      only there do the mismatch and missing-rank checks run (they need 2 ranks);
-#   4. one summary table of all of it (tests/gpu/gpu_summary.py), the exit codes on the line after.
+#   4. tfcs-bench --backend nccl (the project's benchmark tool, TF-free on this path), its table;
+#   5. one summary table of all of it (tests/gpu/gpu_summary.py), the exit codes on the line after.
 # About 100 s on one H200 (measured); each step has a timeout, about 14 minutes in all at worst.
 # Writes logs and JSON to $OUT (default /tmp). Exit 0 when every check passed.
 set -uo pipefail
@@ -66,7 +67,12 @@ if [ "$gpus" = 1 ]; then
         --json "$OUT/gpu_report_2hosts.json" 2>&1 | tee "$OUT/gpu_report_2hosts.log"
     report2=${PIPESTATUS[0]}
 fi
+echo "== tfcs-bench --backend nccl, one rank per GPU"
+timeout 120 "$PY" -m tf_commstrategy.bench.cli -np "$(( gpus > 0 ? gpus : 1 ))" --backend nccl --sizes 4K,4M,64M \
+    --budget 1 --json "$OUT/bench_nccl.json" 2>&1 | tail -8
+bench=${PIPESTATUS[0]}
 timeout 60 "$PY" tests/gpu/gpu_summary.py "$OUT"
 echo
-echo "pytest exit $tests (2 hosts: $tests2), report exit $report (2 hosts: $report2), $(( $(date +%s) - start )) s"
-[ "$tests" = 0 ] && [ "$tests2" = 0 ] && [ "$report" = 0 ] && [ "$report2" = 0 ]
+echo "pytest exit $tests (2 hosts: $tests2), report exit $report (2 hosts: $report2), tfcs-bench exit $bench," \
+     "$(( $(date +%s) - start )) s"
+[ "$tests" = 0 ] && [ "$tests2" = 0 ] && [ "$report" = 0 ] && [ "$report2" = 0 ] && [ "$bench" = 0 ]
