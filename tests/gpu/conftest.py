@@ -24,13 +24,12 @@ def emulated_hosts() -> int:
     return int(os.environ.get("TFCS_GPU_EMULATE_HOSTS") or 0)
 
 
-def emulate_host(rank: int, environ=None) -> None:
+def emulate_host(rank: int) -> None:
     """In a worker, before its first NCCL call: make this rank an NCCL host of its own (see above)."""
-    env = os.environ if environ is None else environ
     if emulated_hosts():
-        env["NCCL_HOSTID"] = f"tfcs-emulated-host-{rank}"
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")  # the only network these ranks share
-        env.setdefault("NCCL_IB_DISABLE", "1")
+        os.environ["NCCL_HOSTID"] = f"tfcs-emulated-host-{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # the only network these ranks share
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
 
 
 def gpu_world() -> int:

@@ -25,6 +25,7 @@ from tests.gpu import test_nccl_gpu as T  # noqa: E402
 from tests.gpu.conftest import emulate_host, emulated_hosts, gpu_world  # noqa: E402
 from tests.helpers import free_port, run_workers  # noqa: E402
 from tests.nccl_cases import _pairs, make_input, reference  # noqa: E402
+from tf_commstrategy.bench.cli import human  # noqa: E402
 
 SIZES = [4 << 10, 4 << 20, 64 << 20, 1 << 30]
 
@@ -57,7 +58,7 @@ def w_bench(rank, size, sizes):
         assert float(y[:1].get()[0]) == size
         # tfcs.allreduce returns once the GPU has finished: no extra synchronisation
         out[nbytes] = _median_time(lambda: tfcs.allreduce(x, backend="nccl"), lambda: None, nbytes)
-        del x, y
+        x = y = None  # the memory goes back to the pool before the next size
         cupy.get_default_memory_pool().free_all_blocks()
     return out
 
@@ -77,7 +78,7 @@ def w_bench_torch(rank, size, sizes, port):
             dist.all_reduce(x)
             assert float(x[0]) == size
             out[nbytes] = _median_time(lambda: dist.all_reduce(x), torch.cuda.synchronize, nbytes)
-            del x
+            x = None
             torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
@@ -92,12 +93,6 @@ def _torch_cuda() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
-
-
-def _label(nbytes: int) -> str:
-    if nbytes >= 1 << 30:
-        return f"{nbytes >> 30} GiB"
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def main():
@@ -169,7 +164,7 @@ def main():
                         "unchecked_time_s": tu}
         vs = f"{tp * 1e3:.3f} ms | {t / tp:.2f}" if tp else "n/a | n/a"
         nc = f"{tu * 1e3:.3f} ms" if tu else "n/a (one rank)"
-        print(f"| {_label(nbytes)} | {t * 1e3:.3f} ms | {algbw:.2f} | {busbw:.2f} | {nc} | {vs} |")
+        print(f"| {human(nbytes)} | {t * 1e3:.3f} ms | {algbw:.2f} | {busbw:.2f} | {nc} | {vs} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"world": size, "emulated_hosts": emulated_hosts(), "device": bench["device"],

@@ -13,6 +13,10 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tf_commstrategy.bench.cli import human  # noqa: E402
+
 
 def _pytest_line(path):
     try:
@@ -29,12 +33,6 @@ def _report(path):
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-def _label(nbytes):
-    if nbytes >= 1 << 30:
-        return f"{nbytes >> 30} GiB"
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def summary(folder):
@@ -80,7 +78,7 @@ def summary(folder):
     for key, row in sorted(rep["allreduce"].items(), key=lambda kv: int(kv[0])):
         tp = row.get("torch_time_s")
         vs = f"{tp * 1e3:.3f} ms | {row['time_s'] / tp:.2f}" if tp else "n/a | n/a"
-        out.append(f"| {_label(int(key))} | {row['time_s'] * 1e3:.3f} ms | {row['algbw_GBps']:.1f} | {vs} |")
+        out.append(f"| {human(int(key))} | {row['time_s'] * 1e3:.3f} ms | {row['algbw_GBps']:.1f} | {vs} |")
     return out
 
 

@@ -233,10 +233,11 @@ class NcclBackend(Backend):
         cupy.cuda.runtime.memcpyAsync(host[0].ptr, chk.data.ptr, 16, 2, stream.ptr)  # 2: device to host
         event = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
-        state = {"done": False, "chk": chk}  # chk stays alive until the all-reduce has run
+        done = False
 
         def verify(final: bool = False, settle: bool = False) -> None:
-            if state["done"]:
+            nonlocal done, chk  # chk stays alive until the all-reduce has run
+            if done:
                 return
             if settle:
                 end = time.monotonic() + SETTLE_S
@@ -244,7 +245,7 @@ class NcclBackend(Backend):
                     time.sleep(1e-4)
             if not (final or event.done):
                 return
-            state["done"], state["chk"] = True, None
+            done, chk = True, None
             top, neg_low = (int(v) for v in host[1])
             if top != h or neg_low != -h:
                 comm.abort()
