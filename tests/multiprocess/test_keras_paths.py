@@ -66,16 +66,24 @@ def _scenario(rank, size, which, tmp):
         m = _model(keras, strategy, rank)
         m.fit(ds, epochs=1, verbose=0)
         formats = ["model.h5", "model.keras", "saved_model"]  # h5, tf_keras's default, SavedModel
+        functions = ["fn.keras", "fn_saved_model", "tf_saved_model"]  # the same through functions
         if tfcs.rank() == 0:  # the common idiom: only rank 0 saves
             for name in formats:  # .keras and SavedModel read the metrics' state as well
                 m.save(os.path.join(tmp, name))
             m.save_weights(os.path.join(tmp, "weights.h5"))
             m.save_weights(os.path.join(tmp, "weights_tf"))
+            keras.models.save_model(m, os.path.join(tmp, "fn.keras"))
+            keras.saving.save_model(m, os.path.join(tmp, "fn_saved_model"), save_format="tf")
+            tf.saved_model.save(m, os.path.join(tmp, "tf_saved_model"))
+        formats += functions
         # a stray collective on rank 0 would meet this barrier: a mismatch at once, not a pass; the barrier's
         # own deadline covers rank 0's saving (SavedModel tracing takes 10-20 s on a loaded 2-core machine)
         tfcs.barrier(timeout=180)
-        restored = [keras.models.load_model(os.path.join(tmp, name)) for name in formats]
-        return [[w.tolist() for w in r.get_weights()[:2]] for r in restored], [w.tolist() for w in m.get_weights()[:2]]
+        restored = [[w.tolist() for w in keras.models.load_model(os.path.join(tmp, name)).get_weights()[:2]]
+                    for name in formats if name != "tf_saved_model"]
+        plain = tf.saved_model.load(os.path.join(tmp, "tf_saved_model"))  # no Keras metadata: TF's own loader
+        restored.append([v.numpy().tolist() for v in plain.variables if v.shape == (10, 8)])  # the first kernel
+        return restored, [w.tolist() for w in m.get_weights()[:2]]
     if which == "metrics_outside_scope":
         m = _model(keras, strategy, rank)
         m.fit(ds, epochs=1, verbose=0)  # each worker trains on its own shard: local metrics differ
@@ -117,6 +125,7 @@ def test_model_checkpoint_chief_writes_others_clean_up(tmp_path):
 def test_save_on_rank0_only_works_without_hanging(tmp_path):
     res = run_workers(_scenario, 2, "save_on_rank0", str(tmp_path), timeout=240, env={"TFCS_TIMEOUT": "30"})
     for restored, live in res:
+        assert len(restored) == 6  # 3 formats through Model.save, 3 through save functions
         for weights in restored:  # every format: what rank 0 saved is the shared model
             np.testing.assert_allclose(weights[0], res[0][1][0])
 

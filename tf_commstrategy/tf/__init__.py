@@ -4,6 +4,6 @@ Imports TensorFlow; the collective core below it does not.
 """
 
 from .options import CommOptions
-from .strategy import CommStrategy, CommExtended
+from .strategy import CommExtended, CommStrategy, local_replica_reads
 
-__all__ = ["CommStrategy", "CommExtended", "CommOptions"]
+__all__ = ["CommStrategy", "CommExtended", "CommOptions", "local_replica_reads"]

@@ -6,8 +6,9 @@ purpose not an MWMS instance (tf_keras would then also sum per-batch training lo
 workers), so ``reduce_per_replica(..., "concat")`` is routed through tf_keras's own multi-worker
 concatenation (``strategy.gather`` -> our all-gather), in the same replica order it uses for MWMS.
 The metric reads of one ``get_metrics_result`` share one fused reduction (``fused_sync_on_read``);
-every other reduction is left to tf_keras unchanged. ``Model.save`` / ``save_weights`` read
-replica-local variables (metric state) locally, so rank 0 can save alone. Also, ``verbose="auto"`` (the default of
+every other reduction is left to tf_keras unchanged. Saving (``Model.save`` / ``save_weights``,
+``tf_keras.models.save_model``, ``tf.saved_model.save``) reads replica-local variables (metric state)
+locally, so rank 0 can save alone. Also, ``verbose="auto"`` (the default of
 fit/evaluate/predict) shows the progress bar on rank 0 only, and a tf_commstrategy error inside
 fit/evaluate/predict surfaces as itself (chained from TF's ``UnknownError``).
 """
@@ -15,6 +16,7 @@ fit/evaluate/predict surfaces as itself (chained from TF's ``UnknownError``).
 from __future__ import annotations
 
 import functools
+import sys
 
 import tensorflow as tf
 
@@ -146,17 +148,25 @@ def install() -> None:
     # Saving on one rank (``if tfcs.rank() == 0: model.save(path)``): the .keras and SavedModel
     # formats read the metrics' state, and a cross-worker read there would be a collective that no
     # other rank joins. While saving, replica-local variables are read locally (this worker's own).
+    # Every entry point: the Model methods, tf_keras's save_model function (bound under four module
+    # names) and TensorFlow's SavedModel writer, which tf.saved_model.save and tf_keras's SavedModel
+    # format both call (TensorFlow reads every saved variable's attributes outside its save context).
+    from tensorflow.python.saved_model import save as tf_save
+    from tf_keras.src.saving import saving_api
+    from .strategy import local_replica_reads
+
     def saving_locally(original):
-        def wrapper(self, *args, **kwargs):
-            from .strategy import CommStrategy
-            strategy = self.distribute_strategy
-            if not isinstance(strategy, CommStrategy):
-                return original(self, *args, **kwargs)
-            with strategy.extended.local_replica_reads():
-                return original(self, *args, **kwargs)
+        def wrapper(*args, **kwargs):
+            with local_replica_reads():
+                return original(*args, **kwargs)
         return wrapper
     for name in ("save", "save_weights"):
         _wrap_once(training.Model, name, saving_locally)
+    save_model = saving_api.save_model
+    for name, module in list(sys.modules.items()):
+        if name.startswith("tf_keras") and getattr(module, "save_model", None) is save_model:
+            _wrap_once(module, "save_model", saving_locally)
+    _wrap_once(tf_save, "save_and_return_nodes", saving_locally)
 
     # Errors: a PeerLostError (etc.) inside the train step reaches Keras as tf.errors.UnknownError;
     # fit / evaluate / predict re-raise our typed error instead, chained from TF's.

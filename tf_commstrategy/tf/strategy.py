@@ -39,6 +39,26 @@ from .cross_device_ops import CommCrossDeviceOps
 
 
 
+_local_reads = 0  # > 0 inside local_replica_reads(): every replica-local read stays on this worker
+
+
+@contextlib.contextmanager
+def local_replica_reads():
+    """Inside the block every read of a replica-local (SyncOnRead) variable gives this worker's own
+    value, without a collective, under every CommStrategy of the process.
+
+    ``keras_compat`` wraps every way of saving a model in it (``Model.save`` / ``save_weights``,
+    ``tf_keras.models.save_model``, ``tf.saved_model.save``), so ``if tfcs.rank() == 0: save(...)``
+    saves the metrics' state (totals, counts) of rank 0 alone and never issues a collective that the
+    other ranks would not join."""
+    global _local_reads
+    _local_reads += 1
+    try:
+        yield
+    finally:
+        _local_reads -= 1
+
+
 class CommStrategy(tf.distribute.MirroredStrategy):
     """Synchronous data parallelism across workers; ``model.fit`` works unchanged.
 
@@ -332,7 +352,7 @@ class CommExtended(mirrored_strategy.MirroredExtended):
           ``if tfcs.rank() == 0: model.save(path)`` works and never hangs. Their values may then differ
           between workers, as they do under Horovod (each worker's statistics come from its own batches).
         """
-        if getattr(self, "_local_reads", 0) or values_util.is_saving_non_distributed():
+        if _local_reads or values_util.is_saving_non_distributed():
             return True
         if var.aggregation == tf.VariableAggregation.MEAN:
             return tf.executing_eagerly()
@@ -340,15 +360,9 @@ class CommExtended(mirrored_strategy.MirroredExtended):
 
     @contextlib.contextmanager
     def local_replica_reads(self):
-        """Inside the block every read of a replica-local (SyncOnRead) variable gives this worker's own
-        value, without a collective. ``keras_compat`` wraps ``Model.save`` / ``save_weights`` in it:
-        ``if tfcs.rank() == 0: model.save(path)`` saves the metrics' state (totals, counts) of rank 0
-        alone and never issues a collective that the other ranks would not join."""
-        self._local_reads = getattr(self, "_local_reads", 0) + 1
-        try:
+        """The module's ``local_replica_reads`` (every CommStrategy's reads), kept as a method too."""
+        with local_replica_reads():
             yield
-        finally:
-            self._local_reads -= 1
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         pairs = []
