@@ -230,6 +230,29 @@ def tf_threads_from_env(environ=None) -> str:
     return env_value("TFCS_TF_THREADS", lambda s: s.strip().lower(), DEFAULT_TF_THREADS, environ)
 
 
+#: The ring's data paths a job can ask for (docs/backends.md).
+TRANSPORTS = ("auto", "shm", "unix", "tcp", "grpc")
+
+
+def parse_transport(name: Optional[str]) -> str:
+    """The canonical name of a requested ring transport (None or empty: "auto").
+
+    Args:
+      name: "auto", "shm", "unix", "tcp" or "grpc", in any case, surrounding blanks ignored.
+
+    Raises:
+      ConfigurationError: an unknown name.
+    """
+    n = (name or "auto").strip().lower()
+    if n not in TRANSPORTS:
+        raise ConfigurationError(f"unknown transport {name!r}", fix="use auto, shm, unix, tcp or grpc")
+    return n
+
+
+def transport_from_env(environ=None) -> str:
+    """``TFCS_TRANSPORT``: the ring's data path (default "auto")."""
+    return env_value("TFCS_TRANSPORT", parse_transport, "auto", environ)
+
 def backend_from_env(environ=None) -> str:
     """``TFCS_BACKEND``: the default backend name, lower-cased (default "auto").
 

@@ -233,14 +233,27 @@ def _per_call_transport(rank, size):
         other_plain = "accepted"
     except tfcs.ConfigurationError as e:
         other_plain = str(e)
-    return used, float(strategy.experimental_local_results(same)[0].numpy()[0]), other, other_plain
+    # after init: a strategy with its own deadline and the job's transport (any spelling) joins the job as
+    # it is; another transport is refused by the same rule as a call's
+    later = tfcs.CommStrategy(timeout=60, communication_options=tfcs.CommOptions(transport=" UNIX"))
+    later_value = later.run(fn, args=(tf.constant([2.0]), None))
+    try:
+        tfcs.CommStrategy(communication_options=tfcs.CommOptions(transport="tcp"))
+        later_other = "accepted"
+    except tfcs.ConfigurationError as e:
+        later_other = str(e)
+    return (used, float(strategy.experimental_local_results(same)[0].numpy()[0]), other, other_plain,
+            float(later.experimental_local_results(later_value)[0].numpy()[0]), later_other)
 
 
 def test_transport_from_strategy_options_and_per_call_check():
-    for used, value, other, other_plain in run_workers(_per_call_transport, 2, timeout=120):
+    for used, value, other, other_plain, later_value, later_other in run_workers(_per_call_transport, 2,
+                                                                                 timeout=120):
         assert used == "unix" and value == 3.0
         assert "transport" in other and "when the job started" in other
         assert "when the job started" in other_plain, other_plain
+        assert later_value == 4.0
+        assert "after tfcs.init()" in later_other and "'tcp'" in later_other, later_other
 
 
 def _nccl_default_on_host(rank, size, how):

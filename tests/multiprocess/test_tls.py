@@ -96,5 +96,14 @@ def test_tls_settings_errors(tmp_path):
     with pytest.raises(tfcs.ConfigurationError, match="cannot read the TLS certificate"):
         grpc_util.TlsConfig.from_env({"TFCS_TLS_CERT": "/nonexistent.pem", "TFCS_TLS_KEY": "k", "TFCS_TLS_CA": "c"})
     c = make_certs(str(tmp_path))
-    with pytest.raises(tfcs.ConfigurationError, match="unencrypted"):
-        tfcs.init(rank=0, world_size=1, transport="tcp", tls_cert=c["cert"], tls_key=c["key"], tls_ca=c["ca"])
+    for spelling in ("tcp", "TCP", " tcp "):  # any spelling the ring accepts as tcp is refused under TLS
+        with pytest.raises(tfcs.ConfigurationError, match="unencrypted"):
+            tfcs.init(rank=0, world_size=1, transport=spelling, tls_cert=c["cert"], tls_key=c["key"], tls_ca=c["ca"])
+    from tf_commstrategy.core.process_group import GroupSettings, ProcessGroup
+    from tf_commstrategy.rendezvous.cluster_env import ClusterSpec
+    spec = ClusterSpec(0, 1, 0, None, "")
+    with pytest.raises(tfcs.ConfigurationError, match="unencrypted"):  # TFCS_TRANSPORT too
+        ProcessGroup(GroupSettings.resolve(spec, environ={"TFCS_TRANSPORT": "Tcp", "TFCS_TLS_CERT": c["cert"],
+                                                          "TFCS_TLS_KEY": c["key"], "TFCS_TLS_CA": c["ca"]}))
+    with pytest.raises(tfcs.ConfigurationError, match="unknown transport"):
+        GroupSettings.resolve(spec, environ={"TFCS_TRANSPORT": "rdma"})

@@ -183,3 +183,28 @@ def test_a_failed_connect_closes_its_socket(server, monkeypatch):
     assert len(mine) >= 20 and all(x.fileno() == -1 for x in mine)  # every one closed
     if lst is not None:
         lst.close()
+
+
+def test_a_calls_transport_is_judged_from_job_wide_facts_only():
+    """CommOptions(transport=) on a call: every rank must give the same verdict, whatever its own links
+    are (2 hosts x 2 ranks under "auto": ranks 0 and 2 send over shm, ranks 1 and 3 over grpc)."""
+    from types import SimpleNamespace
+    from tf_commstrategy.backends.grpc.backend import GrpcRingBackend
+    from tf_commstrategy.errors import ConfigurationError
+
+    def verdict(requested, planned, own, wanted):
+        b = SimpleNamespace(group=SimpleNamespace(transport=requested), _planned_kinds=frozenset(planned),
+                            transport=own)
+        return GrpcRingBackend.serves_transport(b, wanted)
+    mixed = ["shm", "grpc", "shm", "grpc"]
+    for own in ("shm", "grpc"):  # the same answer on both kinds of rank
+        assert verdict("auto", mixed, own, "shm") is False
+        assert verdict("auto", mixed, own, "grpc") is False
+        assert verdict("auto", mixed, own, "auto") is True
+        assert verdict("auto", mixed, own, " AUTO") is True
+    assert verdict("auto", ["shm", "shm"], "shm", "SHM") is True  # one host: every link is shm
+    assert verdict("tcp", ["tcp", "tcp"], "tcp", "tcp") is True
+    assert verdict("Tcp", ["tcp", "tcp"], "tcp", "tcp") is True
+    assert verdict("tcp", ["tcp", "tcp"], "tcp", "unix") is False
+    with pytest.raises(ConfigurationError, match="unknown transport"):
+        verdict("auto", mixed, "shm", "rdma")

@@ -56,7 +56,7 @@ class GroupSettings:
             chunk_bytes=int(chunk_bytes) if chunk_bytes is not None else config.chunk_bytes_from_env(env),
             bind_host=bind_host or env.get("TFCS_BIND_HOST") or None,
             advertise_host=advertise_host or env.get("TFCS_ADVERTISE_HOST") or None,
-            transport=transport or env.get("TFCS_TRANSPORT") or "auto",
+            transport=config.parse_transport(transport) if transport else config.transport_from_env(env),
             token=token if token is not None else (env.get("TFCS_TOKEN") or None),
             tls=tls if tls is not None else grpc_util.TlsConfig.from_env(env),
         )
@@ -76,7 +76,7 @@ class ProcessGroup:
         self.rendezvous_timeout = settings.rendezvous_timeout
         self.chunk_bytes = settings.chunk_bytes
         self.token = settings.token
-        self.transport = settings.transport
+        self.transport = config.parse_transport(settings.transport)  # also when settings were built by hand
         self.tls = settings.tls
         if self.tls is not None and self.transport == "tcp":
             raise ConfigurationError("transport='tcp' sends tensors unencrypted, but TLS is configured",

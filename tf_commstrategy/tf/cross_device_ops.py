@@ -91,6 +91,22 @@ def _static_nbytes(t) -> int:
     return int(t.shape.num_elements()) * t.dtype.size
 
 
+def check_transport(group, wanted: str, where: str) -> None:
+    """Raise unless ``CommOptions(transport=wanted)`` runs on the links ``group`` set up when the job
+    started (the same verdict on every rank: ``serves_transport``).
+
+    Raises:
+      ConfigurationError: the job's links use another transport.
+    """
+    if not group.backend("grpc").serves_transport(wanted):
+        from ..errors import ConfigurationError
+        raise ConfigurationError(
+            f"CommOptions(transport={wanted!r}) {where}, but the ring's links were set up for "
+            f"transport {group.transport!r} when the job started", rank=group.rank,
+            fix="choose the transport once per job: CommStrategy(transport=...), "
+                "CommStrategy(communication_options=CommOptions(transport=...)), TFCS_TRANSPORT or "
+                "tfcs-run --transport")
+
 class CommCrossDeviceOps(cdo.CrossDeviceOps):
     """Cross-device ops of ``CommStrategy``; holds no state beyond a reference to the strategy's extended.
 
@@ -111,15 +127,8 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         merged = opts.merge(self._ext._communication_options, options)
         # the call's own transport first: merged into a plain TF default it would be dropped unseen
         wanted = getattr(options, "transport", None) or getattr(merged, "transport", None)
-        if wanted is not None and wanted not in ("auto", self._ext._group.transport,
-                                                 self._ext._group.backend("grpc").transport):
-            from ..errors import ConfigurationError
-            raise ConfigurationError(
-                f"CommOptions(transport={wanted!r}) on one call, but the ring's links were set up for "
-                f"transport {self._ext._group.transport!r} when the job started", rank=self._ext._group.rank,
-                fix="choose the transport once per job: CommStrategy(transport=...), "
-                    "CommStrategy(communication_options=CommOptions(transport=...)), TFCS_TRANSPORT or "
-                    "tfcs-run --transport")
+        if wanted is not None:
+            check_transport(self._ext._group, wanted, "on one call")
         return merged
 
     def _backend_name(self, options) -> "opts.BackendChoice":

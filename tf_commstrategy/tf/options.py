@@ -18,6 +18,7 @@ from typing import Optional
 
 from tensorflow.python.distribute import collective_util
 
+from .. import config
 from ..core.backend import normalize_backend_name
 
 Implementation = collective_util.CommunicationImplementation
@@ -36,7 +37,7 @@ class CommOptions(collective_util.Options):
         on a single call it must equal the job's (else ConfigurationError).
 
     Raises:
-      ConfigurationError: ``backend`` is not a known backend name.
+      ConfigurationError: ``backend`` is not a known backend name, or ``transport`` a known transport.
     """
 
     def __init__(self, backend: Optional[str] = None, bytes_per_pack: int = 0,
@@ -45,7 +46,7 @@ class CommOptions(collective_util.Options):
         super().__init__(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds,
                          implementation=implementation)
         self.backend = normalize_backend_name(backend)
-        self.transport = transport
+        self.transport = None if transport is None else config.parse_transport(transport)
 
     def merge(self, options):
         """These options overridden by the values ``options`` sets (TF's ``Options.merge``, plus backend).

@@ -35,7 +35,7 @@ from .. import process
 from ..core.backend import normalize_backend_name
 from . import input_path, keras_compat, tensor_ops, threads
 from . import options as opts
-from .cross_device_ops import CommCrossDeviceOps
+from .cross_device_ops import CommCrossDeviceOps, check_transport
 
 
 
@@ -84,15 +84,18 @@ class CommStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices: Optional[Sequence[str]] = None, backend: Optional[str] = None,
                  communication_options=None, sync_metrics: bool = True, timeout: Optional[float] = None,
                  tf_threads=None, **init_kwargs):
-        wanted = getattr(communication_options, "transport", None)
-        if wanted is not None and "transport" not in init_kwargs:
-            init_kwargs["transport"] = wanted  # the ring's data path is chosen when the job starts
-        if process.is_initialized() and not init_kwargs:
-            # joined already (tfcs.init with whatever settings): timeout= is this strategy's deadline
+        wanted = init_kwargs.get("transport") or getattr(communication_options, "transport", None)
+        if process.is_initialized() and set(init_kwargs) <= {"transport"}:
+            # joined already (tfcs.init with whatever settings): timeout= is this strategy's deadline, and
+            # a transport must be one the job's links serve
             group = process.default_group()
+            if wanted is not None:
+                check_transport(group, wanted, "given to CommStrategy after tfcs.init()")
             if timeout is not None:
                 communication_options = _with_timeout(communication_options, timeout)
         else:
+            if wanted is not None:
+                init_kwargs["transport"] = wanted  # the ring's data path is chosen when the job starts
             group = process.init(timeout=timeout, **init_kwargs)
         self._thread_plan = threads.configure(tf_threads, group.local_size, group.rank)  # before TF starts
         extended = CommExtended(self, devices, group, normalize_backend_name(backend), communication_options,

@@ -79,9 +79,10 @@ class GrpcRingBackend(Backend):
         # The data path to each ring neighbour: shared memory (else unix sockets) on one host, grpc (or
         # opt-in tcp) between hosts. Decided from the rendezvous' worker facts only, so every rank
         # computes the same list (the chunk size below depends on it).
-        requested = socket_transport.parse_transport(g.transport)
+        requested = config.parse_transport(g.transport)
         w = g.workers
         kinds = links.link_kinds(w, list(range(self.size)), requested)
+        self._planned_kinds = frozenset(kinds)
         if self.chunk_bytes is None:  # the same on every rank: chunk keys must agree around the ring
             if "shm" in kinds:
                 self.chunk_bytes = config.DEFAULT_SHM_CHUNK_BYTES
@@ -120,6 +121,14 @@ class GrpcRingBackend(Backend):
             leaders = [m[0] for m in groups]
             if self.rank in leaders:
                 self._leader_ring = links.RingLinks(self, 2, leaders, requested)
+
+    def serves_transport(self, name: str) -> bool:
+        """Whether a call that asks for transport ``name`` runs on the links this job set up: "auto",
+        the transport the job asked for, or the one kind that every link of the job's ring was planned
+        with ("shm" when all ranks share a host's memory). Decided from job-wide facts only, so every
+        rank gives the same answer (a rank's own links may differ from its neighbours')."""
+        n = config.parse_transport(name)
+        return n in ("auto", config.parse_transport(self.group.transport)) or self._planned_kinds == {n}
 
     @property
     def fusion(self) -> Optional[shm_fusion.FusionBuffers]:

@@ -487,14 +487,6 @@ class SocketReceiver:
             pass
 
 
-def parse_transport(name: Optional[str]) -> str:
-    from ...errors import ConfigurationError
-    n = (name or "auto").strip().lower()
-    if n not in ("auto", "grpc", "tcp", "unix", "shm"):
-        raise ConfigurationError(f"unknown transport {name!r}", fix="use auto, shm, unix, tcp or grpc")
-    return n
-
-
 def choose(requested: str, same_host: bool, same_memory: bool = False) -> str:
     """Data path between two ring neighbours.
 
