@@ -238,3 +238,34 @@ def test_links_opened_before_a_failure_while_connecting_are_closed(monkeypatch):
     with pytest.raises(RendezvousError):
         L.RingLinks(backend, 0, [0, 1], "tcp")
     assert closed == ["shm receiver"]
+
+
+def test_fence_off_x86_is_a_thread_fence_not_an_atomic_on_another_word(monkeypatch):
+    """Off x86 the frame's bytes must be ordered before ``head`` by a full barrier. A read-modify-write
+    of an unrelated word is not one on arm64 (load-acquire / store-release), so ``fence`` must call C11
+    ``atomic_thread_fence`` (or, without it, make a futex syscall); on x86 it does nothing."""
+    calls = []
+    if M._thread_fence is not None:  # the real function runs (a fence on this CPU) and is recorded
+        real = M._thread_fence
+        monkeypatch.setattr(M, "_thread_fence", lambda order: (calls.append(("fence", order)), real(order)))
+    else:
+        monkeypatch.setattr(M, "_thread_fence", lambda order: calls.append(("fence", order)))
+    if M._atomic_add is not None:
+        monkeypatch.setattr(M, "_atomic_add", lambda *a: calls.append(("rmw",) + a[1:]) or 0)
+    monkeypatch.setattr(M, "_X86", False)
+    M.fence()
+    assert calls == [("fence", M._SEQ_CST)]
+    monkeypatch.setattr(M, "_X86", True)
+    M.fence()
+    assert calls == [("fence", M._SEQ_CST)]  # x86: no barrier needed (stores, and loads, stay in order)
+    counting = _CountingFutex(M.futex())  # no atomic_thread_fence in this libatomic: a futex syscall
+    monkeypatch.setattr(M, "futex", lambda: counting)
+    monkeypatch.setattr(M, "_thread_fence", None)
+    monkeypatch.setattr(M, "_X86", False)
+    M.fence()
+    assert counting.wakes == 1 and len(calls) == 1
+
+
+@pytest.mark.skipif(M._atomic_add is None, reason="no libatomic on this machine")
+def test_libatomic_provides_the_thread_fence():
+    assert M._thread_fence is not None  # GCC >= 7's libatomic exports it: the fast path is the one used

@@ -9,7 +9,8 @@
   for it (containers default to 64 MiB) fails there, not with SIGBUS later.
 * ``Bell``: a 32-bit futex word a rank sleeps on and its peers bump and wake; the word after it
   counts the sleepers, so a ring makes the wake-up syscall only when someone sleeps.
-* ``fence``: a full memory barrier off x86 (x86 keeps stores, and loads, in order).
+* ``fence``: a full memory barrier off x86 (C11 ``atomic_thread_fence``; x86 keeps stores, and
+  loads, in order).
 * ``spin_seconds``, ``SLICE_S``, ``YIELD_S``: how the waits built on these spin, yield and sleep;
   ``pid_alive`` and ``reported_cause`` tell a dead peer from one that reported its own failure.
 
@@ -94,7 +95,20 @@ def _load_atomic_add():
     return fn
 
 
+def _load_thread_fence():
+    """libatomic's C11 ``atomic_thread_fence`` (a full barrier: ``dmb ish`` on arm64, ``sync`` on
+    POWER), or None where this libatomic lacks it (before GCC 7)."""
+    try:
+        fn = ctypes.CDLL("libatomic.so.1").atomic_thread_fence
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
 _atomic_add = _load_atomic_add()
+_thread_fence = _load_thread_fence()
 _SEQ_CST = 5
 
 
@@ -280,13 +294,21 @@ _fence_word = ctypes.c_uint32(0)
 
 
 def fence() -> None:
-    """Order the frame's bytes before ``head`` (and ``head`` before reading the frame) off x86, where
-    stores are not kept in order: a sequentially consistent atomic is a full barrier."""
+    """A full memory barrier off x86: orders the frame's bytes before ``head`` (and ``head`` before
+    reading the frame), the buffers before their ``ready`` / ``done`` words, and reads of a peer's
+    data before the word that lets it overwrite them.
+
+    On x86 nothing is needed: every call site orders store -> store, load -> load or load -> store,
+    which x86 keeps in order. Elsewhere: C11 ``atomic_thread_fence(seq_cst)`` from libatomic. An
+    atomic read-modify-write of some other word would not do: on arm64 without LSE it is a
+    load-acquire / store-release pair, which lets a plain store before it and one after it both fall
+    between the two and be seen in either order. Without that function, a futex wake (the kernel's
+    futex_wake issues a full barrier, ``smp_mb``) orders memory at the cost of a syscall."""
     if not _X86:
-        if _atomic_add is not None:
-            _atomic_add(ctypes.addressof(_fence_word), 0, _SEQ_CST)
+        if _thread_fence is not None:
+            _thread_fence(_SEQ_CST)
         else:
-            futex().wake(ctypes.addressof(_fence_word))  # the syscall orders memory as well
+            futex().wake(ctypes.addressof(_fence_word))
 
 
 def reported_cause(error: BaseException, abort) -> BaseException:

@@ -19,8 +19,9 @@ Layout of a ring segment::
 
 A frame is ``FRAME`` (magic, sig_len, seq, step, chunk, nbytes), the collective's signature, then
 the payload at the next 64-byte boundary. The producer publishes ``head`` only after the frame's
-bytes are in place; x86's ordering makes that sufficient, elsewhere a futex syscall (a full barrier)
-separates the two.
+bytes are in place; x86's ordering makes that sufficient, elsewhere a full fence (``shm_memory.fence``:
+C11 ``atomic_thread_fence``) separates the two, and the consumer fences between reading ``head``
+and reading the frame.
 
 Lifecycle and security (the segments, bells and fences are ``shm_memory``'s): segments are created
 by their owner with ``O_EXCL``, mode 0600, under an unguessable name (``tfcs-shm-<pid>-<random>``)
