@@ -208,3 +208,61 @@ def test_a_calls_transport_is_judged_from_job_wide_facts_only():
     assert verdict("tcp", ["tcp", "tcp"], "tcp", "unix") is False
     with pytest.raises(ConfigurationError, match="unknown transport"):
         verdict("auto", mixed, "shm", "rdma")
+
+
+def _connect_unix(address):
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.connect("\0" + address[len("unix:"):])
+    c.settimeout(10)
+    return c
+
+
+def test_a_hello_must_complete_within_its_deadline_however_its_bytes_are_spaced(monkeypatch):
+    """A client that sends its hello one byte at a time, each within the per-read timeout, is still
+    dropped once HELLO_TIMEOUT_S has passed in all (it would otherwise hold a thread for minutes)."""
+    monkeypatch.setattr(S, "HELLO_TIMEOUT_S", 0.6)
+    srv = S.SocketServer(0, 2, "unix", None, "token", str)
+    try:
+        c = _connect_unix(srv.address)
+        assert len(c.recv(S.NONCE_BYTES)) == S.NONCE_BYTES
+        t0 = time.monotonic()
+        dropped = None
+        for _ in range(S.HELLO.size - 1):  # never the whole hello
+            time.sleep(0.1)
+            try:
+                c.send(b"x")
+            except OSError:
+                dropped = time.monotonic() - t0
+                break
+            c.setblocking(False)
+            try:
+                if c.recv(1) == b"":
+                    dropped = time.monotonic() - t0
+                    break
+            except BlockingIOError:
+                pass
+            finally:
+                c.setblocking(True)
+        assert dropped is not None and dropped < 2.0, dropped  # 0.6 s deadline, not 0.6 s per byte
+        c.close()
+    finally:
+        srv.stop()
+
+
+def test_connections_beyond_the_pending_hello_cap_are_closed_at_once(monkeypatch):
+    monkeypatch.setattr(S, "MAX_PENDING_HELLOS", 2)
+    srv = S.SocketServer(0, 2, "unix", None, "token", str)
+    try:
+        silent = [_connect_unix(srv.address) for _ in range(2)]  # each holds a hello slot
+        for c in silent:
+            assert len(c.recv(S.NONCE_BYTES)) == S.NONCE_BYTES
+        extra = _connect_unix(srv.address)
+        assert extra.recv(S.NONCE_BYTES) == b""  # closed without a challenge: no thread for it
+        for c in silent + [extra]:
+            c.close()
+        time.sleep(0.3)  # the silent ones' slots come back when they hang up
+        again = _connect_unix(srv.address)
+        assert len(again.recv(S.NONCE_BYTES)) == S.NONCE_BYTES
+        again.close()
+    finally:
+        srv.stop()

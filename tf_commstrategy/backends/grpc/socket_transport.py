@@ -51,7 +51,8 @@ log = logging.getLogger("tf_commstrategy")
 HELLO = struct.Struct("<8sII32s")  # magic, sender rank, ring id, HMAC-SHA256(token, magic + rank + ring + nonce)
 HELLO_MAGIC = b"TFCSSOCK"
 NONCE_BYTES = 16
-HELLO_TIMEOUT_S = 30.0
+HELLO_TIMEOUT_S = 30.0  # a connection must complete its hello within this long, all bytes together
+MAX_PENDING_HELLOS = 32  # connections in their hello at once (above: closed at once; the ring needs 2)
 SLICE_S = 0.05  # longest poll between checks of the abort state and the deadline
 LENGTH = struct.Struct("<Q")
 MAX_FRAME_BYTES = 1 << 30  # one ring chunk (TFCS_CHUNK_BYTES, 4 MiB by default) is far smaller
@@ -62,11 +63,18 @@ def _mac(token: Optional[str], rank: int, nonce: bytes, ring_id: int = 0) -> byt
     return hmac.new(key, HELLO_MAGIC + struct.pack("<II", rank, ring_id) + nonce, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> Optional[bytearray]:
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> Optional[bytearray]:
+    """``n`` bytes, or None when the peer closed first. With a ``deadline`` (``time.monotonic()``), the
+    whole read ends by then (``socket.timeout``), however the peer spaces its bytes."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"{got} of {n} bytes by the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             return None
@@ -95,6 +103,7 @@ class SocketServer:
         self._bad_logged = False
         self._cv = threading.Condition()
         self._conns = {}  # (ring id, sender rank) -> authenticated socket not yet taken by its ring
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HELLOS)
         if kind == "unix":
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             name = f"\0tfcs-{os.getpid()}-{secrets.token_hex(12)}"
@@ -130,17 +139,28 @@ class SocketServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            t = threading.Thread(target=self._serve, args=(conn,), name=f"tfcs-{self.kind}-recv", daemon=True)
+            if not self._pending.acquire(blocking=False):  # a flood of unfinished hellos: no thread each
+                self._log_bad(f"more than {MAX_PENDING_HELLOS} connections in their hello at once")
+                conn.close()
+                continue
+            t = threading.Thread(target=self._serve_one, args=(conn,), name=f"tfcs-{self.kind}-recv", daemon=True)
             t.start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._pending.release()
 
     def _serve(self, conn: socket.socket) -> None:
         """Authenticate a new connection, then hand it to the ring it names (``take_connection``)."""
         _tune(conn)
         try:
             nonce = secrets.token_bytes(NONCE_BYTES)
-            conn.settimeout(HELLO_TIMEOUT_S)  # a silent client is dropped, not waited for
+            deadline = time.monotonic() + HELLO_TIMEOUT_S  # a slow or silent client is dropped, not waited for
+            conn.settimeout(HELLO_TIMEOUT_S)
             conn.sendall(nonce)
-            hello = _recv_exact(conn, HELLO.size)
+            hello = _recv_exact(conn, HELLO.size, deadline)
             if hello is None:
                 conn.close()
                 return
@@ -271,7 +291,7 @@ class SocketSender:
         try:
             sock = _connect(address, timeout)
             sock.settimeout(timeout)
-            nonce = _recv_exact(sock, NONCE_BYTES)
+            nonce = _recv_exact(sock, NONCE_BYTES, time.monotonic() + timeout)
             if nonce is None:
                 raise RendezvousError(f"the data server of rank {peer_rank} at {address} closed the connection "
                                       f"before its challenge", rank=my_rank, address=address,
