@@ -269,3 +269,69 @@ def test_fence_off_x86_is_a_thread_fence_not_an_atomic_on_another_word(monkeypat
 @pytest.mark.skipif(M._atomic_add is None, reason="no libatomic on this machine")
 def test_libatomic_provides_the_thread_fence():
     assert M._thread_fence is not None  # GCC >= 7's libatomic exports it: the fast path is the one used
+
+
+class _Store:
+    """The coordinator's key-value store as ShmLinks sees it: a missing key is a deadline."""
+
+    def __init__(self, on_missing=None):
+        self.kv, self.on_missing = {}, on_missing
+
+    def set(self, key, value):
+        self.kv[key] = value
+
+    def get(self, key, timeout):
+        if key not in self.kv:
+            if self.on_missing is not None:
+                self.on_missing()
+            from tf_commstrategy.errors import RendezvousError
+            raise RendezvousError(f"no {key} within {timeout} s")
+        return self.kv[key]
+
+
+def test_a_neighbour_killed_during_setup_leaves_no_segment_once_the_survivor_raises():
+    """The neighbour created and published its segments, then was killed (kill -9) before unlinking
+    them: the survivor, failing its setup, removes them with its own."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    from tf_commstrategy.errors import RendezvousError
+    code = ("import sys, time; from tf_commstrategy.backends.grpc import shm_memory as M, shm_transport as S; "
+            "b = M.Segment.create(M.BELL_BYTES, 'bell'); r = M.Segment.create(S.ring_bytes(1 << 16), 'ring'); "
+            "print(b.path, r.path, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        bell, ring = child.stdout.readline().split()
+    except BaseException:
+        child.kill()
+        raise
+
+    def killed():  # the neighbour dies while the survivor waits for it (after the start-up sweep)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    store = _Store(on_missing=killed)
+    store.set("shm/seg/1", json.dumps({"bell": bell, "ring": ring, "why": None}))
+    before = set(os.listdir(M.SHM_DIR))
+    with pytest.raises(RendezvousError):  # the dead neighbour never says it mapped mine
+        S.ShmLinks(store, 0, 1, 1, True, True, [os.getpid(), child.pid], str, 1 << 16, 0.1, 0.0)
+    assert child.returncode is not None
+    assert not os.path.exists(bell) and not os.path.exists(ring)
+    assert set(os.listdir(M.SHM_DIR)) <= before  # and none of the survivor's own
+
+
+def test_segments_of_a_creator_whose_pid_namespace_is_unknown_are_swept_too(monkeypatch):
+    real_stat = os.stat
+
+    def no_proc_ns(path, *a, **k):
+        if str(path) == "/proc/self/ns/pid":
+            raise PermissionError(path)
+        return real_stat(path, *a, **k)
+    monkeypatch.setattr(M.os, "stat", no_proc_ns)
+    seg = M.Segment.create(4096, "ring")
+    try:
+        assert seg.path.endswith(".0")
+        assert M.remove_stale_segments(only_pids={os.getpid()}) == 1  # judged, though its namespace is unknown
+        assert not os.path.exists(seg.path)
+    finally:
+        seg.close()

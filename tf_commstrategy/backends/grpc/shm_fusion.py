@@ -173,6 +173,7 @@ class FusionBuffers:
             if seg is not None:
                 seg.unlink()
                 seg.close()
+            shm_memory.remove_stale_segments()  # and a peer's, if it died before unlinking it (kill -9 mid-setup)
             raise
 
     def close(self) -> None:

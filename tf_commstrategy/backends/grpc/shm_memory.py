@@ -150,12 +150,12 @@ def pid_alive(pid: int) -> bool:
 
 
 def _pid_namespace() -> str:
-    """The inode of this process's pid namespace ("" where unknown): a segment's name carries its
+    """The inode of this process's pid namespace ("0" where unknown): a segment's name carries its
     creator's, since /dev/shm may be shared by containers whose pids mean different processes."""
     try:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
-        return ""
+        return "0"
 
 
 def remove_stale_segments(only_pids=None) -> int:
@@ -203,7 +203,7 @@ class Segment:
     @classmethod
     def create(cls, size: int, kind: str) -> "Segment":
         """Raises OSError (e.g. ENOSPC when /dev/shm is too small)."""
-        name = f"{PREFIX}{os.getpid()}-{kind}-{secrets.token_hex(12)}.{_pid_namespace() or 0}"
+        name = f"{PREFIX}{os.getpid()}-{kind}-{secrets.token_hex(12)}.{_pid_namespace()}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:

@@ -377,6 +377,7 @@ class ShmLinks:
             for seg in (left_bell.seg if left_bell else None, right_ring, right_bell.seg if right_bell else None):
                 if seg is not None:
                     seg.close()
+            remove_stale_segments()  # and a neighbour's, if it died before unlinking them (kill -9 mid-setup)
             raise
         self.bell = my_bell
         self.fell_back = (want_in and self.receiver is None) or (want_out and self.sender is None)
