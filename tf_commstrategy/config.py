@@ -19,6 +19,7 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
 DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit over gRPC (per-message overhead ~50-100 us)
 DEFAULT_SHM_CHUNK_BYTES = 1 << 20     # ... through shared memory (rings of 4 frames stay small in /dev/shm)
 DEFAULT_SOCKET_CHUNK_BYTES = 4 << 20  # ... over raw sockets (measured: 64 MiB all-reduce 155 ms -> 51 ms)
+MAX_CHUNK_BYTES = 128 << 20  # a chunk and its frame header must fit one gRPC message (256 MiB)
 DEFAULT_SMALL_BYTES = 0            # all-reduce by all-gather up to this many bytes x (size - 1) (TFCS_SMALL_ALLREDUCE_BYTES) ...
 DEFAULT_SHM_SMALL_BYTES = 64 << 10  # ... when every ring link is shared memory (measured: 8 B, 4 ranks: 381 -> 220 us)
 DEFAULT_BACKEND = "auto"

@@ -33,3 +33,15 @@ def test_a_bad_variable_is_named_in_the_error(raw):
 def test_unset_or_empty_gives_the_default():
     assert env_value("TFCS_CHUNK_BYTES", parse_size, 7, {}) == 7
     assert env_value("TFCS_CHUNK_BYTES", parse_size, 7, {"TFCS_CHUNK_BYTES": ""}) == 7
+
+
+@pytest.mark.parametrize("chunk", [0, (128 << 20) + 1, 2 << 30])
+def test_a_ring_chunk_outside_its_limits_is_refused_before_the_rendezvous(chunk):
+    """A chunk over one gRPC message (TFCS_CHUNK_BYTES=2G) used to fail the first collective with a
+    frame-size error that asked for a bug report."""
+    from tf_commstrategy.core.process_group import GroupSettings, ProcessGroup
+    from tf_commstrategy.rendezvous.cluster_env import ClusterSpec
+    settings = GroupSettings.resolve(ClusterSpec(0, 2, 0, "127.0.0.1:1", ""), chunk_bytes=chunk, rendezvous_timeout=2,
+                                      environ={})
+    with pytest.raises(ConfigurationError, match="chunk_bytes"):
+        ProcessGroup(settings)  # no rendezvous attempted: the coordinator address above is never dialled

@@ -69,6 +69,11 @@ class ProcessGroup:
         if settings.timeout <= 0 or (settings.chunk_bytes is not None and settings.chunk_bytes <= 0):
             raise ConfigurationError(f"timeout={settings.timeout} and chunk_bytes={settings.chunk_bytes} "
                                      "must be positive", fix="pass positive values")
+        if settings.chunk_bytes is not None and settings.chunk_bytes > config.MAX_CHUNK_BYTES:
+            raise ConfigurationError(f"chunk_bytes={settings.chunk_bytes} is larger than the largest ring chunk, "
+                                     f"{config.MAX_CHUNK_BYTES} bytes (one gRPC message holds 256 MiB)",
+                                     rank=settings.rank,
+                                     fix="set TFCS_CHUNK_BYTES (or chunk_bytes=) to 128M or less; 1-4M is usual")
         self.settings = settings
         self.rank = settings.rank
         self.size = settings.world_size
