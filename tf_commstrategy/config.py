@@ -254,6 +254,23 @@ def transport_from_env(environ=None) -> str:
     """``TFCS_TRANSPORT``: the ring's data path (default "auto")."""
     return env_value("TFCS_TRANSPORT", parse_transport, "auto", environ)
 
+def _on_off_auto(text: str) -> str:
+    t = text.strip().lower()
+    if t in ("auto",):
+        return "auto"
+    if t in ("1", "on", "true", "yes"):
+        return "on"
+    if t in ("0", "off", "false", "no"):
+        return "off"
+    raise ValueError("expected auto, 1 or 0")
+
+
+def native_from_env(environ=None) -> str:
+    """``TFCS_NATIVE``: the compiled all-reduce op of the strategy when every rank shares one host's
+    memory: "auto" (default: used when it builds), "on" (``1``: it must, else ConfigurationError), "off"
+    (``0``: the ``tf.numpy_function`` path)."""
+    return env_value("TFCS_NATIVE", _on_off_auto, "auto", environ)
+
 def backend_from_env(environ=None) -> str:
     """``TFCS_BACKEND``: the default backend name, lower-cased (default "auto").
 

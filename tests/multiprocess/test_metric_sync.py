@@ -45,20 +45,26 @@ def _fit(rank, size, distributed, custom=False, in_place=False):
         # "who still has data" agreement)
         from tf_commstrategy.process import default_group
         backend = default_group().backend("grpc")
+        native = strategy.extended._native  # on one host: the compiled all-reduce (its calls count too)
+        out["native"] = native is not None
+
+        def collectives():
+            return backend.stats()["seq"] + (native.calls() if native is not None else 0)
         counts = []
         m.fit(ds.repeat(), epochs=1, steps_per_epoch=STEPS, verbose=0)
         for steps in (STEPS, 2 * STEPS):
-            before = backend.stats()["seq"]
+            before = collectives()
             m.fit(ds.repeat(), epochs=1, steps_per_epoch=steps, verbose=0)
-            counts.append(backend.stats()["seq"] - before)
+            counts.append(collectives() - before)
         out["per_step"] = (counts[1] - counts[0]) / STEPS
-        # one stateful graph callback (numpy_function: PyFunc; py_function: EagerPyFunc) per collective; the
-        # gradients concatenated and split around it, or (in_place) handed over as they are
+        # one stateful graph op per collective (numpy_function: PyFunc; py_function: EagerPyFunc; the compiled
+        # all-reduce: TfcsShmAllReduce); the gradients concatenated and split around a callback, or (in_place,
+        # and always for the compiled op) handed over as they are
         graphs = []
         for f in m.train_tf_function._list_all_concrete_functions():  # pylint: disable=protected-access
             ops = [op.type for op in f.graph.get_operations()]
-            g = {k: ops.count(k) for k in ("PyFuncStateless", "ConcatV2", "SplitV", "Split")}
-            g["callbacks"] = ops.count("PyFunc") + ops.count("EagerPyFunc")
+            g = {k: ops.count(k) for k in ("PyFuncStateless", "ConcatV2", "SplitV", "Split", "TfcsShmAllReduce")}
+            g["callbacks"] = ops.count("PyFunc") + ops.count("EagerPyFunc") + ops.count("TfcsShmAllReduce")
             graphs.append(g)
         out["graphs"] = graphs
         with strategy.scope():
@@ -73,16 +79,20 @@ def reference():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("custom,in_place", [(False, False), (True, False), (False, True)])
-def test_metric_reads_share_one_collective_and_stay_global(reference, custom, in_place):
-    res = run_workers(_fit, 2, True, custom, in_place, timeout=300)
+@pytest.mark.parametrize("custom,in_place,native", [(False, False, "1"), (True, False, "1"), (False, False, "0"),
+                                                    (True, False, "0"), (False, True, "0")])
+def test_metric_reads_share_one_collective_and_stay_global(reference, custom, in_place, native):
+    res = run_workers(_fit, 2, True, custom, in_place, timeout=300, env={"TFCS_NATIVE": native})
     for r in res:
+        assert r["native"] == (native == "1")
         # default train step: the 6 metric variables (loss, accuracy and top2: total and count each) ride
         # on the fused gradient all-reduce; with the user's compute_metrics, one fused read of their own
         assert r["per_step"] == (2 if custom else 1), r["per_step"]
         for g in r["graphs"]:  # every trace of it
             assert g["callbacks"] == (2 if custom else 1) and g["PyFuncStateless"] == 0, r["graphs"]
-            if in_place:
+            if native == "1":
+                assert g["TfcsShmAllReduce"] == g["callbacks"], r["graphs"]
+            if in_place or native == "1":
                 assert g["ConcatV2"] == g["SplitV"] == g["Split"] == 0, r["graphs"]
             else:
                 assert g["ConcatV2"] >= 1 and g["SplitV"] >= 1, r["graphs"]

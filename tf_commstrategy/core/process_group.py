@@ -97,6 +97,8 @@ class ProcessGroup:
         self.local_rank = self._rdv.local_rank
         self.local_size = self._rdv.local_size
         self._backends: Dict[str, Backend] = {}
+        self._close_hooks = []  # called at shutdown, before the backends close (add_close_hook)
+        self._failure_hooks = []  # called with the first error that makes the group unusable
         self._lock = threading.Lock()
         self._closed = False
         self.default_backend = settings.backend
@@ -126,6 +128,32 @@ class ProcessGroup:
                 self._backends[name] = b
                 log.debug("tf_commstrategy rank %d: backend %s ready", self.rank, name)
             return b
+
+    def add_close_hook(self, hook) -> None:
+        """Call ``hook()`` when this group shuts down (before its backends close): a layer above that
+        holds resources of the group (the TF layer's compiled all-reduce) lets go of them there."""
+        self._close_hooks.append(hook)
+
+    def add_failure_hook(self, hook) -> None:
+        """Call ``hook(error)`` when a backend of this group fails (its own error, or an abort another
+        rank reported): a layer above with collectives of its own stops them there."""
+        self._failure_hooks.append(hook)
+
+    def failure(self) -> Optional[BaseException]:
+        """The error that made a backend of this group unusable, or None."""
+        for b in list(self._backends.values()):
+            error = b.failure()
+            if error is not None:
+                return error
+        return None
+
+    def failed(self, error: BaseException) -> None:
+        """A backend reports the error that made it unusable (from any thread)."""
+        for hook in list(self._failure_hooks):
+            try:
+                hook(error)
+            except Exception as e:  # pragma: no cover
+                log.warning("tf_commstrategy rank %d: failure hook: %s", self.rank, e)
 
     def resolve_backend(self, name: Optional[str], buf) -> Backend:
         """Explicit name > the group's default; "auto" picks nccl for GPU buffers when it can run."""
@@ -159,6 +187,11 @@ class ProcessGroup:
                 clean = True
             except Exception as e:  # a dead peer must not block our exit
                 log.warning("tf_commstrategy rank %d: shutdown barrier incomplete: %s", self.rank, e)
+        for hook in self._close_hooks:
+            try:
+                hook()
+            except Exception as e:  # pragma: no cover
+                log.warning("tf_commstrategy rank %d: at shutdown: %s", self.rank, e)
         for b in self._backends.values():
             try:
                 b.close()

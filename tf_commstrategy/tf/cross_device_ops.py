@@ -220,6 +220,10 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         from .device_path import use_device_path
         backend = self._backend_for(backend, tensors)
         timeout = opts.timeout_of(merged)
+        native = self._ext._native
+        if native is not None and backend in (None, "auto", "grpc") and native.handles(tensors):  # host: grpc
+            tensor_ops.check_not_xla("the all-reduce")
+            return native.allreduce(tensors, mean, timeout)  # compiled: no numpy_function, concat or split
         groups = fusion_groups([t.dtype for t in tensors], [_static_nbytes(t) for t in tensors],
                                merged.bytes_per_pack)
         op = ReduceOp.MEAN if mean else ReduceOp.SUM

@@ -36,6 +36,7 @@ from ..core.backend import normalize_backend_name
 from . import input_path, keras_compat, tensor_ops, threads
 from . import options as opts
 from .cross_device_ops import CommCrossDeviceOps, check_transport
+from .native_path import NativeAllReduce
 
 
 
@@ -146,6 +147,9 @@ class CommExtended(mirrored_strategy.MirroredExtended):
             server_lib.ClusterSpec({"worker": [f"rank{i}:0" for i in range(group.size)]}),
             task_type="worker", task_id=group.rank, rpc_layer="tfcs")
         super().__init__(container, devices=devices, cross_device_ops=CommCrossDeviceOps(self))
+        # the host all-reduce as a compiled op when every rank shares this host's memory (a collective
+        # step, taken by the first CommStrategy of the group; None where it cannot run)
+        self._native = NativeAllReduce.for_group(group)
         # MirroredExtended set NCCL options as its default; ours are the user's (or none)
         self._communication_options = communication_options
 

@@ -25,7 +25,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
 from ..core.reduce_ops import ReduceOp, check_dtype
-from ..errors import ConfigurationError, TfcsError, UnsupportedOperationError
+from ..errors import CollectiveError, ConfigurationError, TfcsError, UnsupportedOperationError
 from ..process import default_group
 
 HOST = "/device:CPU:0"
@@ -85,7 +85,19 @@ def unwrap_errors():
     except tf.errors.OpError as e:
         if errors_seen.count != mark and errors_seen.last is not None:
             raise errors_seen.last from e
-        raise
+        from .native_path import typed_error  # the compiled all-reduce reports through TF's error
+        ours = typed_error(e)
+        if ours is None:
+            raise
+        from .. import process
+        if process.is_initialized():
+            group = process.default_group()
+            cause = group.failure()
+            if cause is not None and type(ours) is CollectiveError:  # the op stopped because the group failed
+                ours = cause
+            else:  # the group is unusable now, as after a failed Python collective
+                group.abort(ours)
+        raise ours from e
 
 
 def host_view(t) -> np.ndarray:

@@ -41,6 +41,7 @@ class GrpcRingBackend(Backend):
             self.chunk_bytes = self.chunk_bytes or config.DEFAULT_CHUNK_BYTES
             self.small_bytes = self.small_bytes or 0
         self.mailbox = wire.Mailbox()
+        self.mailbox.on_fail = getattr(group, "failed", None)  # layers above learn of the group's failure
         self.mailbox.on_reject = lambda what: log.warning(
             "tf_commstrategy rank %d: dropped a data frame that names no current collective (%s); further "
             "ones are not logged", self.rank, what)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from ...errors import PeerLostError
 
@@ -73,6 +73,7 @@ class Mailbox:
         self._gone: Dict[int, BaseException] = {}
         self._seq_sig: Dict[int, bytes] = {}  # first signature seen per collective, to spot mismatches early
         self.remote_error: Optional[BaseException] = None
+        self.on_fail: Optional[Callable[[BaseException], None]] = None  # told of the first failure
         self.current = 0        # the oldest collective not finished here (set by the backend)
         self.rejected = 0       # frames dropped for naming no current collective
         self.on_reject = None   # called with a description on the first rejected frame
@@ -135,13 +136,17 @@ class Mailbox:
             self.current = max(self.current, seq + 1)
 
     def fail(self, error: BaseException, remote: bool = False) -> None:
-        """Poison the mailbox; ``remote``: the error was reported by another rank (not to be re-broadcast)."""
+        """Poison the mailbox; ``remote``: the error was reported by another rank (not to be re-broadcast).
+        The first failure is passed to ``on_fail`` (if set), outside the lock."""
         with self._cv:
-            if self._error is None:
+            first = self._error is None
+            if first:
                 self._error = error
                 if remote:
                     self.remote_error = error
             self._cv.notify_all()
+        if first and self.on_fail is not None:
+            self.on_fail(error)
 
     def error_now(self) -> Optional[BaseException]:
         return self._error

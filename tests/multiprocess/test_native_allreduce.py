@@ -1,0 +1,184 @@
+"""The compiled all-reduce (tf/native/shm_allreduce.cc) under CommStrategy, on real workers of one host:
+results against numpy, the same bits on every rank, when it is used and when not, and its failures
+(mismatch, a rank that never comes, a rank killed, calls after shutdown, TFCS_NATIVE=1 without a compiler).
+Assertions in the parent."""
+
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import run_workers
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="no C++ compiler: the compiled all-reduce cannot be built here")
+
+
+def _tf():
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import tf_commstrategy as tfcs
+    return tf, tfcs
+
+
+def _inputs(rank, dtype):
+    rng = np.random.default_rng(100 + rank)
+    shapes = [(3, 5), (), (0,), (1_300_000,), (7, 11, 13)]  # 1.3 M float32: two slots' worth of pieces
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+def _reduce(rank, size, dtype, op):
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy()
+    native = s.extended._native
+    xs = [tf.constant(a) for a in _inputs(rank, dtype)]
+
+    @tf.function
+    def step(xs):
+        return s.run(lambda *v: tf.distribute.get_replica_context().all_reduce(op, list(v)), args=tuple(xs))
+    calls0 = native.calls() if native is not None else None
+    out = [t.numpy() for t in step(xs)]
+    out_again = [t.numpy() for t in step(xs)]  # a second call: the next generations of the same slots
+    eager = s.extended.reduce_to(op.upper(), tf.constant(_inputs(rank, dtype)[0]), "/device:CPU:0").numpy()
+    return native is not None, (native.calls() - calls0) if native is not None else None, out, out_again, eager
+
+
+@pytest.mark.parametrize("size,dtype,op", [(2, "float32", "sum"), (2, "float64", "mean"), (3, "float32", "mean")])
+def test_results_match_numpy_and_are_the_same_bits_on_every_rank(size, dtype, op):
+    res = run_workers(_reduce, size, dtype, op, timeout=240)
+    per_rank = [_inputs(r, np.dtype(dtype)) for r in range(size)]
+    for used, calls, out, again, eager in res:
+        assert used, "every rank on one host with a compiler: the compiled op must be used"
+        assert calls == 3  # two steps and one eager reduce_to, each one call of the op
+        for i, got in enumerate(out):
+            want = sum(p[i].astype(np.float64) for p in per_rank)
+            if op == "mean":
+                want = want / size
+            assert got.shape == per_rank[0][i].shape and got.dtype == np.dtype(dtype)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"tensor {i}")
+            assert got.tobytes() == res[0][2][i].tobytes()  # identical on every rank
+            assert got.tobytes() == again[i].tobytes()
+        want0 = sum(p[0].astype(np.float64) for p in per_rank)
+        np.testing.assert_allclose(eager, want0 / size if op == "mean" else want0, rtol=1e-5, atol=1e-5)
+
+
+def _which_path(rank, size):
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy()
+    r = s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(tf.constant([1.0 + rank]),))
+    return s.extended._native is not None, float(r.numpy()[0])
+
+
+@pytest.mark.parametrize("env", [{"TFCS_NATIVE": "0"}, {"TFCS_TRANSPORT": "unix"}], ids=["off", "unix-asked"])
+def test_turned_off_or_another_transport_keeps_the_python_path(env):
+    assert run_workers(_which_path, 2, env=env, timeout=120) == [(False, 3.0)] * 2
+
+
+def test_no_compiler_falls_back_unless_required(tmp_path):
+    no_cc = {"TFCS_NATIVE_CACHE": str(tmp_path), "PATH": "/nonexistent", "CXX": ""}
+    assert run_workers(_which_path, 2, env=no_cc, timeout=120) == [(False, 3.0)] * 2
+    res = run_workers(_which_path, 2, env=dict(no_cc, TFCS_NATIVE="1"), timeout=120, expect_failure=True)
+    for rank in (0, 1):
+        kind, (cls, msg, _) = res[rank]
+        assert kind == "error" and cls == "ConfigurationError", res[rank]
+        assert "TFCS_NATIVE=1" in msg and "no C++ compiler" in msg, msg
+
+
+def _failing(rank, size, how):
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy(timeout=4 if how == "absent" else 30)
+    n = 4 + (rank if how == "mismatch" else 0)
+
+    @tf.function
+    def step(x):
+        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step(tf.ones([4]))  # a good call first: both ranks are in step
+    if rank == 1 and how == "absent":
+        time.sleep(8)  # never calls again (and does not leave before rank 0's deadline)
+        return "stayed away"
+    if rank == 1 and how == "killed":
+        os.kill(os.getpid(), 9)
+    t0 = time.monotonic()
+    try:
+        with tfcs.unwrap_errors():
+            step(tf.ones([n]))
+        return "no error", time.monotonic() - t0
+    except tfcs.TfcsError as e:
+        after = None
+        try:
+            tfcs.allreduce(np.ones(2))  # the group is unusable after the failure
+        except tfcs.TfcsError as e2:
+            after = type(e2).__name__
+        return type(e).__name__, time.monotonic() - t0, str(e), after
+
+
+def test_different_tensors_raise_a_mismatch_on_every_rank_at_once():
+    res = run_workers(_failing, 2, "mismatch", timeout=120)
+    for cls, took, msg, after in res:
+        assert cls == "CollectiveMismatchError", msg
+        assert took < 10, took  # long before the 30 s deadline
+        assert after is not None
+
+
+def test_a_rank_that_never_calls_is_a_timeout_at_the_deadline():
+    res = run_workers(_failing, 2, "absent", timeout=120)
+    cls, took, msg, after = res[0]
+    assert cls == "CollectiveTimeoutError", msg
+    assert 3.5 < took < 15, took
+    assert res[1] == "stayed away"
+
+
+def test_a_killed_rank_is_a_peer_lost_error_within_a_second_or_so():
+    res = run_workers(_failing, 2, "killed", timeout=120, expect_failure=True)
+    kind, (cls, took, msg, after) = res[0]
+    assert kind == "ok" and cls == "PeerLostError", res[0]
+    assert took < 5, took
+    assert "rank 1" in msg
+
+
+def _after_shutdown(rank, size):
+    tf, tfcs = _tf()
+    from tf_commstrategy.backends.grpc import shm_memory
+    s = tfcs.CommStrategy()
+
+    @tf.function
+    def step(x):
+        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    first = float(step(tf.ones([3])).numpy()[0])
+    left = [n for n in os.listdir(shm_memory.SHM_DIR) if "-native-" in n and n.startswith("tfcs-shm-")]
+    tfcs.shutdown()
+    try:
+        with tfcs.unwrap_errors():
+            step(tf.ones([3]))  # the graph still holds the old segment's address
+        return first, left, "no error"
+    except tfcs.TfcsError as e:
+        return first, left, type(e).__name__
+
+
+def test_a_call_through_an_old_graph_after_shutdown_fails_cleanly_and_no_segment_stays():
+    res = run_workers(_after_shutdown, 2, timeout=120)
+    for first, left, after in res:
+        assert first == 2.0
+        assert left == []  # unlinked once every rank mapped it
+        assert after == "NotInitializedError"
+
+
+def test_typed_errors_from_the_ops_tags():
+    import tensorflow as tf
+    from tf_commstrategy import errors
+    from tf_commstrategy.tf.native_path import typed_error
+
+    def op_error(cls, text):
+        return cls(None, None, text)
+    e = typed_error(op_error(tf.errors.UnavailableError, "[tfcs-native:peer_lost:3] rank 1: rank 3 (pid 9) died"))
+    assert isinstance(e, errors.PeerLostError) and e.peer_rank == 3 and e.rank == 1 and "died" in str(e)
+    e = typed_error(op_error(tf.errors.AbortedError, "[tfcs-native:aborted:2] rank 0: rank 2 stopped"))
+    assert isinstance(e, errors.CollectiveAbortedError) and e.origin_rank == 2
+    assert isinstance(typed_error(op_error(tf.errors.DeadlineExceededError, "[tfcs-native:timeout] rank 0: x")),
+                      errors.CollectiveTimeoutError)
+    assert isinstance(typed_error(op_error(tf.errors.FailedPreconditionError, "[tfcs-native:failed] rank 0: x")),
+                      errors.CollectiveError)
+    assert typed_error(op_error(tf.errors.InternalError, "something else")) is None

@@ -1,0 +1,307 @@
+// TfcsShmAllReduce: the all-reduce of a list of float tensors among the ranks of ONE host, through a
+// shared-memory segment that every rank maps, as a compiled TensorFlow op.
+//
+// Why: on the host path the collective is otherwise a tf.numpy_function (the GIL, a Python call, and
+// the gradients concatenated before it and split after it). This op reads the input tensors where
+// they are and writes the outputs it allocates: no Python, no concat, no split.
+//
+// Built on first use by tf_commstrategy/tf/native_build.py (g++ and TensorFlow's headers); Python
+// (native_path.py) creates the segment, maps it in every rank and passes its address as an attribute.
+//
+// Segment layout (every word 64-byte aligned, each rank writes only its own lines):
+//   line [0 * size + r]  ready[r]: the generation whose data rank r has put in its slot
+//   line [1 * size + r]  done[r]:  the generation rank r has finished reading every slot for
+//   line [2 * size + r]  state[r]: 0 while healthy, else why rank r stopped (kShutdown, kMismatch, ...;
+//                        kFailed: set by Python when the process group failed, so a waiting call ends)
+//   line [3 * size + r]  sig[r][2], calls[r]: the signatures of rank r's pieces in slot 0 and 1 (a rank
+//                        may publish generation g + 1 while a peer still checks g); its calls so far
+//   data at header_bytes: rank r's two slots of `capacity` bytes (generation g uses slot g & 1)
+//
+// One generation per piece of at most `capacity` bytes of the concatenated inputs: each rank copies
+// its piece into its slot, publishes ready (release), waits for every peer's ready (acquire), checks
+// their signatures, then sums every slot IN RANK ORDER into its outputs (so every rank gets the same
+// bits) and publishes done. A slot is rewritten only after every peer's done reached g - 2.
+//
+// Every wait has a deadline, watches every peer's state word (a peer that stopped fails this call at
+// once), and checks every 50 ms that the peers' processes are alive. Errors carry a tag that
+// tf_commstrategy turns into its typed errors: "[tfcs-native:timeout]", "[tfcs-native:mismatch]",
+// "[tfcs-native:peer_lost:R]", "[tfcs-native:aborted:R]", "[tfcs-native:shutdown]".
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <time.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+using namespace tensorflow;  // NOLINT
+
+REGISTER_OP("TfcsShmAllReduce")
+    .Input("inputs: N * T")
+    .Output("outputs: N * T")
+    .Attr("N: int >= 1")
+    .Attr("T: {float, double}")
+    .Attr("addr: int")
+    .Attr("rank: int")
+    .Attr("size: int")
+    .Attr("header_bytes: int")
+    .Attr("capacity: int")
+    .Attr("pids: list(int)")
+    .Attr("timeout: float")
+    .Attr("spin_us: int")
+    .Attr("mean: bool = false")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      return OkStatus();
+    });
+
+namespace {
+
+constexpr uint64_t kShutdown = 1, kMismatch = 2, kTimeout = 3, kPeerLost = 4, kFailed = 5;
+
+using Clock = std::chrono::steady_clock;
+
+class Segment {
+ public:
+  Segment(char* base, int size, int64_t header) : base_(base), size_(size), header_(header) {}
+  std::atomic<uint64_t>* line(int kind, int r) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base_ + 64 * (kind * size_ + r));
+  }
+  std::atomic<uint64_t>* ready(int r) const { return line(0, r); }
+  std::atomic<uint64_t>* done(int r) const { return line(1, r); }
+  std::atomic<uint64_t>* state(int r) const { return line(2, r); }
+  // one signature per slot: a rank may publish generation g + 1 while a peer still checks generation g
+  std::atomic<uint64_t>* sig(int r, uint64_t gen) const { return line(3, r) + (gen & 1); }
+  std::atomic<uint64_t>* calls(int r) const { return line(3, r) + 2; }
+  char* slot(int r, uint64_t gen, int64_t capacity) const {
+    return base_ + header_ + (int64_t(r) * 2 + int64_t(gen & 1)) * capacity;
+  }
+
+ private:
+  char* base_;
+  int size_;
+  int64_t header_;
+};
+
+uint64_t mix(uint64_t h, uint64_t v) {  // FNV-1a over the 8 bytes of v
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xff;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+std::mutex& CallMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+bool alive(int64_t pid) { return pid <= 0 || kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH; }
+
+}  // namespace
+
+template <typename T>
+class ShmAllReduceOp : public OpKernel {
+ public:
+  explicit ShmAllReduceOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int64_t addr;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("addr", &addr));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rank", &rank_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("size", &size_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("header_bytes", &header_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("capacity", &capacity_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pids", &pids_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout", &timeout_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("spin_us", &spin_us_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("mean", &mean_));
+    OP_REQUIRES(ctx, addr != 0 && size_ >= 2 && rank_ >= 0 && rank_ < size_ &&
+                         int(pids_.size()) == size_ && capacity_ >= 64 && capacity_ % 64 == 0 &&
+                         header_ >= 64 * 4 * size_,
+                errors::InvalidArgument("[tfcs-native:config] inconsistent attributes"));
+    seg_ = new Segment(reinterpret_cast<char*>(addr), size_, header_);
+  }
+  ~ShmAllReduceOp() override { delete seg_; }
+
+  void Compute(OpKernelContext* ctx) override {
+    // One call at a time per process: the generation is the segment's (this rank's ready word), shared
+    // by every node and function that runs this op, as every rank runs the same calls in the same order.
+    std::lock_guard<std::mutex> lock(CallMutex());
+    const Segment& s = *seg_;
+    const uint64_t own = s.state(rank_)->load(std::memory_order_acquire);
+    if (own != 0) {
+      ctx->SetStatus(errors::FailedPrecondition(
+          own == kShutdown ? "[tfcs-native:shutdown] rank " : "[tfcs-native:failed] rank ", rank_,
+          own == kShutdown ? ": the process group was shut down"
+                           : ": an earlier all-reduce failed; the process group is unusable"));
+      return;
+    }
+    uint64_t gen = s.ready(rank_)->load(std::memory_order_relaxed);
+    const int n = ctx->num_inputs();
+    std::vector<const T*> in(n);
+    std::vector<T*> out(n);
+    std::vector<int64_t> len(n);
+    int64_t total = 0;
+    uint64_t shape_sig = 1469598103934665603ULL;
+    for (int i = 0; i < n; ++i) {
+      const Tensor& t = ctx->input(i);
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, t.shape(), &o));
+      in[i] = t.flat<T>().data();
+      out[i] = o->flat<T>().data();
+      len[i] = t.NumElements();
+      total += len[i];
+      shape_sig = mix(shape_sig, uint64_t(len[i]));
+    }
+    s.calls(rank_)->fetch_add(1, std::memory_order_relaxed);
+    shape_sig = mix(mix(mix(shape_sig, uint64_t(n)), uint64_t(sizeof(T))), uint64_t(mean_));
+    const int64_t per_slot = capacity_ / int64_t(sizeof(T));
+    const T scale = mean_ ? T(1) / T(size_) : T(1);
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(timeout_));
+    int ti = 0;
+    int64_t toff = 0;  // where the next piece starts: tensor ti, element toff
+    int64_t piece_no = 0;
+    for (int64_t start = 0; start < total || (total == 0 && piece_no == 0); ++piece_no) {
+      const int64_t piece = std::min(per_slot, total - start);
+      const uint64_t g = ++gen;
+      for (int p = 0; p < size_; ++p) {  // every peer has finished reading my slot of generation g - 2
+        if (p != rank_ && g > 2 && !Wait(ctx, s.done(p), g - 2, deadline)) return;
+      }
+      T* mine = reinterpret_cast<T*>(s.slot(rank_, g, capacity_));
+      {
+        int64_t k = 0, o = toff;
+        int i = ti;
+        while (k < piece) {
+          const int64_t c = std::min(piece - k, len[i] - o);
+          std::memcpy(mine + k, in[i] + o, c * sizeof(T));
+          k += c;
+          o += c;
+          if (o == len[i]) { ++i; o = 0; }
+        }
+      }
+      const uint64_t sig = mix(mix(mix(shape_sig, uint64_t(total)), uint64_t(piece_no)), g);
+      s.sig(rank_, g)->store(sig, std::memory_order_relaxed);
+      s.ready(rank_)->store(g, std::memory_order_release);
+      for (int p = 0; p < size_; ++p) {
+        if (p != rank_ && !Wait(ctx, s.ready(p), g, deadline)) return;
+      }
+      for (int p = 0; p < size_; ++p) {
+        const uint64_t theirs = s.sig(p, g)->load(std::memory_order_relaxed);
+        if (theirs != sig) {
+          s.state(rank_)->store(kMismatch, std::memory_order_release);
+          ctx->SetStatus(errors::FailedPrecondition(
+              "[tfcs-native:mismatch] rank ", rank_, ": rank ", p, " called the all-reduce with other "
+              "tensors (this rank: ", n, " tensors, ", total, " elements of ", sizeof(T), " bytes",
+              mean_ ? ", MEAN" : ", SUM", ")"));
+          return;
+        }
+      }
+      std::vector<const T*> slots(size_);
+      for (int r = 0; r < size_; ++r) slots[r] = reinterpret_cast<const T*>(s.slot(r, g, capacity_));
+      int64_t k = 0;
+      while (k < piece) {
+        const int64_t c = std::min(piece - k, len[ti] - toff);
+        T* dst = out[ti] + toff;
+        const T* s0 = slots[0] + k;
+        if (size_ == 2) {
+          const T* s1 = slots[1] + k;
+          if (mean_) {
+            for (int64_t j = 0; j < c; ++j) dst[j] = (s0[j] + s1[j]) * scale;
+          } else {
+            for (int64_t j = 0; j < c; ++j) dst[j] = s0[j] + s1[j];
+          }
+        } else {
+          for (int64_t j = 0; j < c; ++j) dst[j] = s0[j];
+          for (int r = 1; r < size_; ++r) {
+            const T* sr = slots[r] + k;
+            for (int64_t j = 0; j < c; ++j) dst[j] += sr[j];
+          }
+          if (mean_) for (int64_t j = 0; j < c; ++j) dst[j] *= scale;
+        }
+        k += c;
+        toff += c;
+        if (toff == len[ti]) { ++ti; toff = 0; }
+      }
+      s.done(rank_)->store(g, std::memory_order_release);
+      start += piece;
+      if (total == 0) break;
+    }
+  }
+
+ private:
+  // Wait until *word >= target. False (and the status set) on a deadline, a peer that stopped or died.
+  bool Wait(OpKernelContext* ctx, std::atomic<uint64_t>* word, uint64_t target, Clock::time_point deadline) {
+    if (word->load(std::memory_order_acquire) >= target) return true;
+    const Segment& s = *seg_;
+    const auto start = Clock::now();
+    auto next_check = start;
+    for (uint64_t spins = 0;; ++spins) {
+      if (word->load(std::memory_order_acquire) >= target) return true;
+      const auto now = Clock::now();
+      const double waited_us = std::chrono::duration<double, std::micro>(now - start).count();
+      if (waited_us < spin_us_) {
+        sched_yield();
+        continue;
+      }
+      if (now >= next_check) {
+        next_check = now + std::chrono::milliseconds(50);
+        for (int p = 0; p < size_; ++p) {
+          const uint64_t st = s.state(p)->load(std::memory_order_acquire);
+          if (st != 0) {
+            if (p == rank_) {  // this rank's process group failed (Python set the word): stop now
+              ctx->SetStatus(errors::FailedPrecondition(
+                  "[tfcs-native:failed] rank ", rank_, ": the process group failed while this all-reduce waited"));
+            } else if (st == kMismatch) {
+              ctx->SetStatus(errors::FailedPrecondition(
+                  "[tfcs-native:mismatch] rank ", rank_, ": rank ", p, " found that the ranks called the "
+                  "all-reduce with different tensors"));
+            } else {
+              ctx->SetStatus(errors::Aborted("[tfcs-native:aborted:", p, "] rank ", rank_, ": rank ", p,
+                                             st == kShutdown ? " left the job (shut down)" : " stopped"));
+            }
+            return false;
+          }
+          if (p != rank_ && !alive(pids_[p])) {
+            s.state(rank_)->store(kPeerLost, std::memory_order_release);
+            ctx->SetStatus(errors::Unavailable("[tfcs-native:peer_lost:", p, "] rank ", rank_, ": rank ", p,
+                                               " (pid ", pids_[p], ") died during the all-reduce"));
+            return false;
+          }
+        }
+        if (now >= deadline) {
+          s.state(rank_)->store(kTimeout, std::memory_order_release);
+          ctx->SetStatus(errors::DeadlineExceeded(
+              "[tfcs-native:timeout] rank ", rank_, ": the all-reduce did not complete within ", timeout_,
+              " s (waiting for generation ", target, ")"));
+          return false;
+        }
+      }
+      // sleep a little, longer as the wait goes on (a rank far behind: evaluation, a checkpoint)
+      struct timespec ts = {0, waited_us < 10000 ? 50000 : 1000000};
+      nanosleep(&ts, nullptr);
+    }
+  }
+
+  Segment* seg_ = nullptr;
+  int rank_ = 0, size_ = 0;
+  int64_t header_ = 0, capacity_ = 0;
+  std::vector<int64_t> pids_;
+  float timeout_ = 0;
+  int spin_us_ = 0;
+  bool mean_ = false;
+};
+
+REGISTER_KERNEL_BUILDER(Name("TfcsShmAllReduce").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+                        ShmAllReduceOp<float>);
+REGISTER_KERNEL_BUILDER(Name("TfcsShmAllReduce").Device(DEVICE_CPU).TypeConstraint<double>("T"),
+                        ShmAllReduceOp<double>);
