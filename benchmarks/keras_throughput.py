@@ -7,8 +7,11 @@ data, 64 samples per worker per step. Each round runs these jobs one after the o
 the sequence, so every job sees the machine in several states and each round's ratios come from one
 run of each job:
 
-* ``tfcs``: N workers under ``tfcs-run`` with ``CommStrategy`` as a user runs it (its defaults: shared
-  memory on one host, thread pools sized to each worker's share of the cores);
+* ``tfcs``: N workers under ``tfcs-run`` with ``CommStrategy`` as a user runs it (its defaults: on one
+  host the compiled all-reduce op through shared memory, thread pools sized to each worker's share of
+  the cores);
+* ``tfcs-python`` (not in the default set): the same with ``TFCS_NATIVE=0``, the gradients through the
+  ``tf.numpy_function`` path (concat, the ring over shared memory, split);
 * ``mwms``: N workers with TF_CONFIG and ``MultiWorkerMirroredStrategy(RING)``, TensorFlow's defaults;
 * ``mwms-pools``: the same with the thread pools CommStrategy would choose (``cores // N`` per pool),
   so that the comparison does not rest on the thread setting alone;
@@ -105,7 +108,10 @@ def _comm_seconds(mode):
     if not mode.startswith("tfcs"):
         return 0.0
     from tf_commstrategy.process import default_group
-    return default_group().backend("grpc").stats()["busy_s"]
+    from tf_commstrategy.tf.native_path import NativeAllReduce
+    group = default_group()
+    native = NativeAllReduce.for_group(group)  # set up already by the strategy: only looked up here
+    return group.backend("grpc").stats()["busy_s"] + (native.busy_seconds() if native is not None else 0.0)
 
 
 def _free_ports(n):
@@ -127,6 +133,8 @@ def run_mode(mode, n, steps):
         env["TFCS_BENCH_TF_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
     if mode.startswith("tfcs"):
         transport = ["--transport", "grpc"] if mode == "tfcs-grpc" else []
+        if mode == "tfcs-python":
+            env["TFCS_NATIVE"] = "0"
         subprocess.run([sys.executable, "-m", "tf_commstrategy.run", "-np", str(n)] + transport + cmd +
                        ["--out", outs[0]], check=True, env=env)
         results = [json.load(open(outs[0]))]

@@ -182,3 +182,25 @@ def test_typed_errors_from_the_ops_tags():
     assert isinstance(typed_error(op_error(tf.errors.FailedPreconditionError, "[tfcs-native:failed] rank 0: x")),
                       errors.CollectiveError)
     assert typed_error(op_error(tf.errors.InternalError, "something else")) is None
+
+
+def _busy(rank, size):
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy()
+    native = s.extended._native
+
+    @tf.function
+    def step(x):
+        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step(tf.ones([4]))
+    before = native.busy_seconds()
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 waits for this rank inside the op: its time there counts
+    step(tf.ones([4]))
+    return native.busy_seconds() - before
+
+
+def test_the_time_inside_the_op_is_counted():
+    waited, quick = run_workers(_busy, 2, timeout=120)
+    assert 0.8 < waited < 5.0, waited
+    assert quick < 0.5, quick

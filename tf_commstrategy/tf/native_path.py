@@ -180,10 +180,11 @@ class NativeAllReduce:
         """SUM (or MEAN when ``mean``) of ``tensors`` over every rank, as new tensors of the same shapes.
 
         Raises:
+          ConfigurationError: ``timeout`` is not a number of seconds > 0 (None: the group's deadline).
           CollectiveError: a subclass, eagerly; inside a ``tf.function`` TF's error carries the tag that
             ``unwrap_errors`` turns into it.
         """
-        timeout = float(self.group.timeout if timeout is None else timeout)
+        timeout = config.call_timeout(timeout, self.group.timeout, self.group.rank)  # > 0, or ConfigurationError
         with tf.device("/device:CPU:0"):
             try:
                 return list(self._lib.tfcs_shm_all_reduce(
@@ -200,6 +201,10 @@ class NativeAllReduce:
     def calls(self) -> int:
         """How many calls this rank has made (the op counts them in the segment)."""
         return int(self._words[(3 * self.group.size + self.group.rank) * 8 + 2])
+
+    def busy_seconds(self) -> float:
+        """Time this rank has spent inside the op, waiting for its peers included (it counts it)."""
+        return int(self._words[(3 * self.group.size + self.group.rank) * 8 + 3]) * 1e-9
 
     def fail(self, error: BaseException) -> None:
         """The process group failed (a lost peer, a timeout, an abort from another rank): a call of

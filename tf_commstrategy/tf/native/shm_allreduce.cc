@@ -13,8 +13,9 @@
 //   line [1 * size + r]  done[r]:  the generation rank r has finished reading every slot for
 //   line [2 * size + r]  state[r]: 0 while healthy, else why rank r stopped (kShutdown, kMismatch, ...;
 //                        kFailed: set by Python when the process group failed, so a waiting call ends)
-//   line [3 * size + r]  sig[r][2], calls[r]: the signatures of rank r's pieces in slot 0 and 1 (a rank
-//                        may publish generation g + 1 while a peer still checks g); its calls so far
+//   line [3 * size + r]  sig[r][2], calls[r], busy_ns[r]: the signatures of rank r's pieces in slot 0
+//                        and 1 (a rank may publish generation g + 1 while a peer still checks g); its
+//                        calls so far; the nanoseconds they took
 //   data at header_bytes: rank r's two slots of `capacity` bytes (generation g uses slot g & 1)
 //
 // One generation per piece of at most `capacity` bytes of the concatenated inputs: each rank copies
@@ -83,6 +84,7 @@ class Segment {
   // one signature per slot: a rank may publish generation g + 1 while a peer still checks generation g
   std::atomic<uint64_t>* sig(int r, uint64_t gen) const { return line(3, r) + (gen & 1); }
   std::atomic<uint64_t>* calls(int r) const { return line(3, r) + 2; }
+  std::atomic<uint64_t>* busy_ns(int r) const { return line(3, r) + 3; }
   char* slot(int r, uint64_t gen, int64_t capacity) const {
     return base_ + header_ + (int64_t(r) * 2 + int64_t(gen & 1)) * capacity;
   }
@@ -163,6 +165,17 @@ class ShmAllReduceOp : public OpKernel {
       shape_sig = mix(shape_sig, uint64_t(len[i]));
     }
     s.calls(rank_)->fetch_add(1, std::memory_order_relaxed);
+    const auto entered = Clock::now();
+    struct Busy {  // the time of this call, however it ends, added to this rank's busy_ns word
+      const Segment& s;
+      int rank;
+      Clock::time_point t0;
+      ~Busy() {
+        s.busy_ns(rank)->fetch_add(
+            uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()),
+            std::memory_order_relaxed);
+      }
+    } busy{s, rank_, entered};
     shape_sig = mix(mix(mix(shape_sig, uint64_t(n)), uint64_t(sizeof(T))), uint64_t(mean_));
     const int64_t per_slot = capacity_ / int64_t(sizeof(T));
     const T scale = mean_ ? T(1) / T(size_) : T(1);
