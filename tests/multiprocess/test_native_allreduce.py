@@ -46,7 +46,8 @@ def _reduce(rank, size, dtype, op):
     return native is not None, (native.calls() - calls0) if native is not None else None, out, out_again, eager
 
 
-@pytest.mark.parametrize("size,dtype,op", [(2, "float32", "sum"), (2, "float64", "mean"), (3, "float32", "mean")])
+@pytest.mark.parametrize("size,dtype,op", [(2, "float32", "sum"), (2, "float64", "mean"), (3, "float32", "mean"),
+                                           (3, "float64", "sum")])
 def test_results_match_numpy_and_are_the_same_bits_on_every_rank(size, dtype, op):
     res = run_workers(_reduce, size, dtype, op, timeout=240)
     per_rank = [_inputs(r, np.dtype(dtype)) for r in range(size)]
@@ -204,3 +205,99 @@ def test_the_time_inside_the_op_is_counted():
     waited, quick = run_workers(_busy, 2, timeout=120)
     assert 0.8 < waited < 5.0, waited
     assert quick < 0.5, quick
+
+
+def _mixed(rank, size):
+    """float32 and float64 calls in one function and in two functions, and a call with only empty tensors:
+    every rank's generations stay in step (a later call still agrees)."""
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy()
+    ar = lambda *v: tf.distribute.get_replica_context().all_reduce("sum", list(v))  # noqa: E731
+
+    @tf.function
+    def both(a, b):
+        return s.run(ar, args=(a,)), s.run(ar, args=(b,))
+
+    @tf.function
+    def empty(e1, e2):
+        return s.run(ar, args=(e1, e2))
+    a = tf.constant(np.full(5, rank + 1.0, np.float32))
+    b = tf.constant(np.full(3, rank + 1.0, np.float64))
+    out = []
+    for _ in range(3):
+        x, y = both(a, b)
+        e = empty(tf.zeros([0], tf.float32), tf.zeros([2, 0], tf.float32))
+        out.append((x[0].numpy().tolist(), y[0].numpy().tolist(), [t.shape.as_list() for t in e]))
+    return s.extended._native.calls(), out
+
+
+def test_float_and_double_calls_and_empty_calls_share_the_generations():
+    for calls, out in run_workers(_mixed, 2, timeout=120):
+        assert calls == 9
+        for x, y, shapes in out:
+            assert x == [3.0] * 5 and y == [3.0] * 3 and shapes == [[0], [2, 0]]
+
+
+def _no_deadline_but_infinity(rank, size):
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy()
+
+    @tf.function
+    def step(x):
+        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step(tf.ones([2]))
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 waits past its spin: an infinite deadline must not read as an expired one
+    return step(tf.ones([2])).numpy().tolist()
+
+
+def test_an_infinite_timeout_waits():
+    assert run_workers(_no_deadline_but_infinity, 2, env={"TFCS_TIMEOUT": "inf"}, timeout=120) == [[2.0, 2.0]] * 2
+
+
+def _old_graph_after_reinit(rank, size):
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy()
+
+    @tf.function
+    def step(x):
+        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step(tf.ones([2]))
+    tfcs.shutdown()
+    tfcs.init()  # a new job on the same coordinator address
+    try:
+        with tfcs.unwrap_errors():
+            step(tf.ones([2]))  # the old graph: the old, released segment
+        old = "no error"
+    except tfcs.TfcsError as e:
+        old = type(e).__name__
+    return old, tfcs.allreduce(np.ones(2)).tolist()  # the new group was not aborted by the old graph's error
+
+
+def test_an_old_graph_after_a_new_init_fails_without_aborting_the_new_job():
+    assert run_workers(_old_graph_after_reinit, 2, timeout=120) == [("NotInitializedError", [2.0, 2.0])] * 2
+
+
+def _failure_without_unwrap(rank, size):
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy(timeout=30)
+
+    @tf.function
+    def step(x):
+        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    try:
+        step(tf.ones([4 + rank]))  # different tensors; no unwrap_errors around the call
+        first = "no error"
+    except tf.errors.OpError as e:
+        first = type(e).__name__
+    try:
+        tfcs.allreduce(np.ones(2))  # the Python path must refuse: the group is unusable
+        after = "no error"
+    except tfcs.TfcsError as e:
+        after = type(e).__name__
+    return first, after
+
+
+def test_a_failed_call_makes_the_group_unusable_even_without_unwrap_errors():
+    for first, after in run_workers(_failure_without_unwrap, 2, timeout=120):
+        assert first == "FailedPreconditionError" and after == "CollectiveError", (first, after)

@@ -29,7 +29,7 @@ def test_a_failing_build_says_so_and_leaves_no_partial_file(monkeypatch, tmp_pat
     monkeypatch.setenv("TFCS_NATIVE_CACHE", str(cache))
     lib, why = NB._build_and_load()
     assert lib is None and "the build failed" in why and "no such header" in why
-    assert os.listdir(cache) == []  # the private build file is gone, nothing half-written is cached
+    assert os.listdir(cache) == [".build.lock"]  # the private build file is gone, nothing half-written is cached
 
 
 def test_the_build_command_holds_tensorflows_flags_and_the_key_changes_with_them():
@@ -39,3 +39,13 @@ def test_the_build_command_holds_tensorflows_flags_and_the_key_changes_with_them
     assert any("tensorflow_framework" in a for a in cmd)
     assert os.path.exists(NB.SOURCE)  # shipped with the package
 
+
+
+def test_a_cached_library_another_user_could_have_written_is_not_loaded(tmp_path):
+    planted = tmp_path / "shm_allreduce-x.so"
+    planted.write_bytes(b"not a library")
+    planted.chmod(0o666)  # writable by everyone
+    why = NB._trusted(str(planted))
+    assert why is not None and "writable by others" in why
+    planted.chmod(0o755)
+    assert NB._trusted(str(planted)) is None

@@ -99,6 +99,7 @@ class ProcessGroup:
         self._backends: Dict[str, Backend] = {}
         self._close_hooks = []  # called at shutdown, before the backends close (add_close_hook)
         self._failure_hooks = []  # called with the first error that makes the group unusable
+        self._failure_sources = []  # layers above with collectives of their own: their failure, or None
         self._lock = threading.Lock()
         self._closed = False
         self.default_backend = settings.backend
@@ -139,10 +140,23 @@ class ProcessGroup:
         rank reported): a layer above with collectives of its own stops them there."""
         self._failure_hooks.append(hook)
 
+    def add_failure_source(self, source) -> None:
+        """``source()`` gives the error that made a layer above unusable (its own collectives), or None;
+        ``failure`` reports it as the group's."""
+        self._failure_sources.append(source)
+
     def failure(self) -> Optional[BaseException]:
-        """The error that made a backend of this group unusable, or None."""
+        """The error that made a backend of this group (or a layer's collectives) unusable, or None."""
         for b in list(self._backends.values()):
             error = b.failure()
+            if error is not None:
+                return error
+        return self.layer_failure()
+
+    def layer_failure(self) -> Optional[BaseException]:
+        """The failure a layer above reports for its own collectives (``add_failure_source``), or None."""
+        for source in list(self._failure_sources):
+            error = source()
             if error is not None:
                 return error
         return None
@@ -179,7 +193,7 @@ class ProcessGroup:
                 quiesce()  # peers leaving is expected from here on: no heartbeat alarms
         # every rank of a failed job must agree to skip the barrier: the one that failed, and the ones
         # that only heard of it (an Abort received while idle)
-        failed = any(b.failure() is not None for b in self._backends.values())
+        failed = self.failure() is not None
         clean = False
         if self.store is not None and not failed:
             try:

@@ -4,8 +4,9 @@ The op is compiled once per machine and TensorFlow version with the C++ compiler
 (``$CXX``, else ``g++`` / ``c++``) against the headers that ship in the TensorFlow wheel, and cached
 (``$TFCS_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/tf_commstrategy`` or ``~/.cache/tf_commstrategy``).
 The cached file's name holds a hash of the source, the TensorFlow version, the compiler and the
-flags, so a change of any of them builds anew; ranks that build at the same time each write a
-private file and rename it into place. No compiler, or a build that fails: ``library()`` says why,
+flags and the compiler's version, so a change of any of them builds anew; one rank builds while the
+others wait on a lock file, into a private file renamed into place, and a cached file that another
+user owns or could have written is not loaded. No compiler, or a build that fails: ``library()`` says why,
 and the strategy keeps the ``tf.numpy_function`` path (``TFCS_NATIVE=1`` makes that an error).
 """
 
@@ -28,6 +29,7 @@ BUILD_TIMEOUT_S = 600.0
 
 _lock = threading.Lock()
 _result: Optional[Tuple[object, str]] = None  # (the loaded op module or None, why not)
+path: Optional[str] = None  # the loaded library's file (its C entry points are reached with ctypes)
 
 
 def cache_dir(environ=None) -> str:
@@ -74,7 +76,24 @@ def library() -> Tuple[object, str]:
         return _result
 
 
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _trusted(target: str) -> Optional[str]:
+    """Why the cached library must not be loaded (another user's file, or writable by others), or None."""
+    st = os.stat(target)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return (f"{target} belongs to another user or is writable by others (mode {st.st_mode & 0o777:o}); "
+                "remove it, or set TFCS_NATIVE_CACHE to a directory of your own")
+    return None
+
+
 def _build_and_load() -> Tuple[object, str]:
+    global path
     import tensorflow as tf
     compiler = _compiler()
     if compiler is None:
@@ -85,30 +104,52 @@ def _build_and_load() -> Tuple[object, str]:
     except OSError as e:
         return None, f"the op's source is missing ({e})"
     probe = build_command(compiler, SOURCE, "OUT")
-    key = hashlib.sha256(source + tf.__version__.encode() + " ".join(probe).encode()).hexdigest()[:20]
+    key = hashlib.sha256(source + tf.__version__.encode() + " ".join(probe).encode() +
+                         _compiler_version(compiler).encode()).hexdigest()[:20]
     folder = cache_dir()
     target = os.path.join(folder, f"shm_allreduce-{key}.so")
-    if not os.path.exists(target):
-        try:
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-            os.close(fd)
-        except OSError as e:
-            return None, f"cannot write the build cache {folder} ({e}; set TFCS_NATIVE_CACHE)"
-        log.info("tf_commstrategy: building the compiled all-reduce op (once per machine, ~10 s) into %s", target)
-        try:
-            run = subprocess.run(build_command(compiler, SOURCE, tmp), capture_output=True, text=True,
-                                 timeout=BUILD_TIMEOUT_S)
-            if run.returncode != 0:
-                errors = [line for line in run.stderr.splitlines() if "error" in line][:3]
-                return None, f"the build failed ({compiler}): " + " | ".join(errors or run.stderr.splitlines()[-3:])
-            os.replace(tmp, target)  # atomic: a rank building at the same time replaces it with the same bytes
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return None, f"the build failed ({e})"
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
     try:
-        return tf.load_op_library(target), ""
-    except Exception as e:  # noqa: BLE001 - a stale or foreign file: say so, keep the Python path
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        lock = open(os.path.join(folder, ".build.lock"), "a")
+    except OSError as e:
+        return None, f"cannot write the build cache {folder} ({e}; set TFCS_NATIVE_CACHE)"
+    with lock:
+        import fcntl
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine: the ranks that start together wait for it
+        if not os.path.exists(target):
+            why = _build(compiler, folder, target)
+            if why:
+                return None, why
+    why = _trusted(target)
+    if why:
+        return None, why
+    try:
+        lib = tf.load_op_library(target)
+    except Exception as e:  # noqa: BLE001 - a stale or broken file: say so, keep the Python path
         return None, f"cannot load {target} ({e}); delete it to rebuild"
+    path = target
+    return lib, ""
+
+
+def _build(compiler: str, folder: str, target: str) -> str:
+    """Compile into ``target`` (through a private file renamed into place); "" or why it failed."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+        os.close(fd)
+    except OSError as e:
+        return f"cannot write the build cache {folder} ({e}; set TFCS_NATIVE_CACHE)"
+    log.info("tf_commstrategy: building the compiled all-reduce op (once per machine, ~10 s) into %s", target)
+    try:
+        run = subprocess.run(build_command(compiler, SOURCE, tmp), capture_output=True, text=True,
+                             timeout=BUILD_TIMEOUT_S)
+        if run.returncode != 0:
+            errors = [line for line in run.stderr.splitlines() if "error" in line][:3]
+            return f"the build failed ({compiler}): " + " | ".join(errors or run.stderr.splitlines()[-3:])
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)  # atomic: no rank ever loads a half-written file
+        return ""
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the build failed ({e})"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

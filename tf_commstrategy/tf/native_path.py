@@ -27,6 +27,7 @@ the package's typed errors; ``tensor_ops.unwrap_errors`` raises them from ``fit`
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import re
@@ -46,13 +47,16 @@ log = logging.getLogger("tf_commstrategy")
 SLOT_BYTES = 4 << 20  # each rank's two slots: a step's gradients in pieces of at most this many bytes
 STATE_SHUTDOWN, STATE_FAILED = 1, 5  # the op's kShutdown, kFailed
 _TAG = re.compile(r"\[tfcs-native:(\w+)(?::(\d+))?\]\s*")
+_STATES = {2: "ranks passed different tensors", 3: "timed out", 4: "a peer process died",
+           5: "the process group failed"}
 _kept: List[object] = []  # every segment this process mapped: never unmapped while it lives (see above)
 _by_group: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_attempts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def spin_microseconds(ranks_on_host: int) -> int:
     """How long a wait yields the CPU in a loop before it sleeps: long when every rank has a core."""
-    return 1000 if (os.cpu_count() or 1) >= ranks_on_host else 200
+    return 1000 if len(os.sched_getaffinity(0)) >= ranks_on_host else 200
 
 
 class NativeAllReduce:
@@ -84,24 +88,29 @@ class NativeAllReduce:
         mode = config.native_from_env()
         if group.size < 2 or group.store is None:
             return None
+        _attempts[group] = attempt = _attempts.get(group, 0) + 1  # keys of their own for a retry after an error
+        prefix = f"native/{attempt}"
         why, lib = cls._local_reason(group, mode)
         store, rank, size, t = group.store, group.rank, group.size, group.rendezvous_timeout
-        store.set(f"native/can/{rank}", why)  # every rank says whether it can: the same verdict everywhere
-        whys = [store.get(f"native/can/{r}", t) for r in range(size)]
-        bad = [(r, w) for r, w in enumerate(whys) if w]
+        # every rank says whether it can, and whether it requires the op: the same verdict everywhere
+        store.set(f"{prefix}/can/{rank}", json.dumps({"why": why, "required": mode == "on"}))
+        said = [json.loads(store.get(f"{prefix}/can/{r}", t)) for r in range(size)]
+        bad = [(r, x["why"]) for r, x in enumerate(said) if x["why"]]
+        required = any(x["required"] for x in said)
         if not bad:
-            seg, bad = cls._map_segment(group, lib)
+            seg, bad = cls._map_segment(group, lib, prefix)
             if seg is not None:
                 header = _header_bytes(size)
                 native = cls(group, seg, lib, header, SLOT_BYTES)
                 group.add_close_hook(native.close)
                 group.add_failure_hook(native.fail)
+                group.add_failure_source(native.error)
                 if rank == 0:
                     log.info("tf_commstrategy: the strategy's all-reduce runs as a compiled op through shared "
                              "memory (%d ranks on one host)", size)
                 return native
         r, w = bad[0]
-        if mode == "on":
+        if required:  # on every rank, as soon as one requires it
             raise ConfigurationError(f"TFCS_NATIVE=1, but the compiled all-reduce cannot run: rank {r}: {w}",
                                      rank=rank, fix="fix what is named, or unset TFCS_NATIVE (the Python path "
                                                     "is used where the op cannot run)")
@@ -123,7 +132,7 @@ class NativeAllReduce:
         return ("" if lib is not None else why), lib
 
     @staticmethod
-    def _map_segment(group, lib):
+    def _map_segment(group, lib, prefix: str):
         """Rank 0 makes the segment, every rank maps it, rank 0 unlinks it: (segment, []) or (None, why)."""
         from ..backends.grpc import shm_memory
         store, rank, size, t = group.store, group.rank, group.size, group.rendezvous_timeout
@@ -133,13 +142,13 @@ class NativeAllReduce:
             if rank == 0:
                 try:
                     seg = shm_memory.Segment.create(nbytes, "native")
-                    store.set("native/seg", seg.path)
+                    store.set(f"{prefix}/seg", seg.path)
                 except OSError as e:
                     why = (f"cannot reserve {nbytes >> 20} MiB in {shm_memory.SHM_DIR} ({e}; "
                            f"{shm_memory.free_mib()} MiB free)")
-                    store.set("native/seg", "")
+                    store.set(f"{prefix}/seg", "")
             else:
-                path = store.get("native/seg", t)
+                path = store.get(f"{prefix}/seg", t)
                 if path:
                     try:
                         seg = shm_memory.Segment.attach(path)
@@ -147,8 +156,8 @@ class NativeAllReduce:
                         why = f"cannot map {path} ({e})"
                 else:
                     why = "rank 0 could not make the segment"
-            store.set(f"native/mapped/{rank}", why)
-            whys = [store.get(f"native/mapped/{r}", t) for r in range(size)]
+            store.set(f"{prefix}/mapped/{rank}", why)
+            whys = [store.get(f"{prefix}/mapped/{r}", t) for r in range(size)]
         except BaseException:
             if seg is not None and rank == 0:
                 seg.unlink()
@@ -195,7 +204,8 @@ class NativeAllReduce:
                 ours = typed_error(e)
                 if ours is None:
                     raise
-                self.group.abort(ours)
+                if not isinstance(ours, NotInitializedError):
+                    self.group.abort(ours)
                 raise ours from e
 
     def calls(self) -> int:
@@ -206,6 +216,16 @@ class NativeAllReduce:
         """Time this rank has spent inside the op, waiting for its peers included (it counts it)."""
         return int(self._words[(3 * self.group.size + self.group.rank) * 8 + 3]) * 1e-9
 
+    def error(self) -> Optional[TfcsError]:
+        """Why a call of this rank's failed (its state word), or None while it is healthy: the process
+        group counts it as its own failure (``ProcessGroup.failure``), also when no ``unwrap_errors`` saw it."""
+        state = int(self._words[(2 * self.group.size + self.group.rank) * 8])
+        if state in (0, STATE_SHUTDOWN):
+            return None
+        return CollectiveError(f"a compiled all-reduce failed ({_STATES.get(state, state)})", rank=self.group.rank,
+                               fix="shut down (tfcs.shutdown()) and restart the job; errors are not recoverable "
+                                   "inside one process group")
+
     def fail(self, error: BaseException) -> None:
         """The process group failed (a lost peer, a timeout, an abort from another rank): a call of
         this rank that waits ends within 50 ms, peers waiting for this rank too, and later calls fail."""
@@ -214,18 +234,21 @@ class NativeAllReduce:
             self._words[state] = STATE_FAILED
 
     def close(self) -> None:
-        """This rank leaves: peers waiting for it fail at once, and its own later calls fail cleanly."""
+        """This rank leaves: peers waiting for it fail at once, and its own later calls fail cleanly.
+
+        The state word first (a call of this rank still waiting sees it within 50 ms and ends), then the
+        library swaps the shared pages for private memory that says "shut down", under the lock every
+        call holds, so no call is summing while the pages go."""
         state = (2 * self.group.size + self.group.rank) * 8
-        self._words[state] = STATE_SHUTDOWN
-        addr, length = self._seg.addr, len(self._seg.mm)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        MAP_FIXED = 0x10
-        got = libc.mmap(addr, length, 0x1 | 0x2, 0x02 | 0x20 | MAP_FIXED, -1, 0)  # PRIVATE | ANONYMOUS
-        if got == addr:  # the shared pages are released; the same addresses now say "shut down"
+        if self._words[state] == 0:
             self._words[state] = STATE_SHUTDOWN
+        release = ctypes.CDLL(native_build.path).TfcsShmRelease
+        release.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+        release.restype = ctypes.c_int
+        err = release(self._seg.addr, len(self._seg.mm), self.group.size, self.group.rank)
+        if err:
+            log.warning("tf_commstrategy rank %d: could not release the compiled all-reduce's shared memory "
+                        "(errno %d); it is freed when the process exits", self.group.rank, err)
 
 
 def _header_bytes(size: int) -> int:

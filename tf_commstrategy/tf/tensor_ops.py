@@ -25,7 +25,8 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
 from ..core.reduce_ops import ReduceOp, check_dtype
-from ..errors import CollectiveError, ConfigurationError, TfcsError, UnsupportedOperationError
+from ..errors import (CollectiveError, ConfigurationError, NotInitializedError, TfcsError,
+                      UnsupportedOperationError)
 from ..process import default_group
 
 HOST = "/device:CPU:0"
@@ -95,8 +96,8 @@ def unwrap_errors():
             cause = group.failure()
             if cause is not None and type(ours) is CollectiveError:  # the op stopped because the group failed
                 ours = cause
-            else:  # the group is unusable now, as after a failed Python collective
-                group.abort(ours)
+            elif not isinstance(ours, NotInitializedError):  # (a graph of a group shut down: not this one's)
+                group.abort(ours)  # the group is unusable now, as after a failed Python collective
         raise ours from e
 
 

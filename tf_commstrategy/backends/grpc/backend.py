@@ -215,6 +215,10 @@ class GrpcRingBackend(Backend):
     def _run(self, sig: str, timeout: Optional[float], body):
         timeout = config.call_timeout(timeout, self.group.timeout, self.rank)
         with self._lock:
+            if self._failed is None:  # a layer above whose own collectives failed (the compiled all-reduce)
+                above = getattr(self.group, "layer_failure", lambda: None)()
+                if above is not None:
+                    self._fail(above, notify_peers=True)
             if self._failed is not None:
                 raise CollectiveError(f"the process group is unusable after an earlier error: {self._failed}",
                                       rank=self.rank,

@@ -29,8 +29,11 @@
 // "[tfcs-native:peer_lost:R]", "[tfcs-native:aborted:R]", "[tfcs-native:shutdown]".
 #include <errno.h>
 #include <sched.h>
+#include <stdio.h>
 #include <signal.h>
 #include <time.h>
+
+#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
@@ -108,9 +111,45 @@ std::mutex& CallMutex() {
   return mu;
 }
 
-bool alive(int64_t pid) { return pid <= 0 || kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH; }
+// A peer process that exists and is not a zombie (kill(pid, 0) succeeds for a zombie too).
+bool alive(int64_t pid) {
+  if (pid <= 0) return true;
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = fopen(path, "r");
+  if (f == nullptr) return true;  // no /proc: kill() said it exists
+  char buf[512];
+  const size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char* close_paren = strrchr(buf, ')');  // "pid (comm) S ...": the state follows the name
+  return close_paren == nullptr || close_paren[1] == 0 || close_paren[2] != 'Z';
+}
+
+const char* StoppedBecause(uint64_t st) {
+  switch (st) {
+    case kShutdown: return "left the job (shut down)";
+    case kTimeout: return "timed out in an all-reduce";
+    case kPeerLost: return "lost a peer process";
+    case kFailed: return "failed (see its log)";
+    default: return "stopped";
+  }
+}
 
 }  // namespace
+
+// Called by Python at shutdown (ctypes), after it set this rank's state word: waits for a call in
+// progress to end (it sees the state within 50 ms), then replaces the shared pages at `addr` with
+// private memory whose state word for `rank` says "shut down", so a graph that still runs the op
+// fails cleanly. Returns 0, or errno.
+extern "C" int TfcsShmRelease(void* addr, size_t length, int size, int rank) {
+  std::lock_guard<std::mutex> lock(CallMutex());
+  void* got = mmap(addr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  if (got != addr) return errno;
+  Segment(static_cast<char*>(addr), size, 0).state(rank)->store(kShutdown, std::memory_order_release);
+  return 0;
+}
 
 template <typename T>
 class ShmAllReduceOp : public OpKernel {
@@ -135,6 +174,7 @@ class ShmAllReduceOp : public OpKernel {
   ~ShmAllReduceOp() override { delete seg_; }
 
   void Compute(OpKernelContext* ctx) override {
+    const auto entered = Clock::now();  // the deadline counts from here, the wait for the mutex included
     // One call at a time per process: the generation is the segment's (this rank's ready word), shared
     // by every node and function that runs this op, as every rank runs the same calls in the same order.
     std::lock_guard<std::mutex> lock(CallMutex());
@@ -154,6 +194,20 @@ class ShmAllReduceOp : public OpKernel {
     std::vector<int64_t> len(n);
     int64_t total = 0;
     uint64_t shape_sig = 1469598103934665603ULL;
+    struct Exit {  // however the call ends: its time into busy_ns; a failure marks this rank stopped, so
+      const Segment& s;  // peers waiting for it fail at once instead of at their deadline
+      int rank;
+      Clock::time_point t0;
+      OpKernelContext* ctx;
+      ~Exit() {
+        s.busy_ns(rank)->fetch_add(
+            uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()),
+            std::memory_order_relaxed);
+        uint64_t healthy = 0;
+        if (!ctx->status().ok()) s.state(rank)->compare_exchange_strong(healthy, kFailed, std::memory_order_acq_rel);
+      }
+    } exit{s, rank_, entered, ctx};
+    s.calls(rank_)->fetch_add(1, std::memory_order_relaxed);
     for (int i = 0; i < n; ++i) {
       const Tensor& t = ctx->input(i);
       Tensor* o = nullptr;
@@ -162,25 +216,12 @@ class ShmAllReduceOp : public OpKernel {
       out[i] = o->flat<T>().data();
       len[i] = t.NumElements();
       total += len[i];
-      shape_sig = mix(shape_sig, uint64_t(len[i]));
+      shape_sig = mix(shape_sig, uint64_t(t.dims()));
+      for (int d = 0; d < t.dims(); ++d) shape_sig = mix(shape_sig, uint64_t(t.dim_size(d)));
     }
-    s.calls(rank_)->fetch_add(1, std::memory_order_relaxed);
-    const auto entered = Clock::now();
-    struct Busy {  // the time of this call, however it ends, added to this rank's busy_ns word
-      const Segment& s;
-      int rank;
-      Clock::time_point t0;
-      ~Busy() {
-        s.busy_ns(rank)->fetch_add(
-            uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()),
-            std::memory_order_relaxed);
-      }
-    } busy{s, rank_, entered};
     shape_sig = mix(mix(mix(shape_sig, uint64_t(n)), uint64_t(sizeof(T))), uint64_t(mean_));
     const int64_t per_slot = capacity_ / int64_t(sizeof(T));
-    const T scale = mean_ ? T(1) / T(size_) : T(1);
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double>(timeout_));
+    const T divisor = T(size_);
     int ti = 0;
     int64_t toff = 0;  // where the next piece starts: tensor ti, element toff
     int64_t piece_no = 0;
@@ -188,7 +229,7 @@ class ShmAllReduceOp : public OpKernel {
       const int64_t piece = std::min(per_slot, total - start);
       const uint64_t g = ++gen;
       for (int p = 0; p < size_; ++p) {  // every peer has finished reading my slot of generation g - 2
-        if (p != rank_ && g > 2 && !Wait(ctx, s.done(p), g - 2, deadline)) return;
+        if (p != rank_ && g > 2 && !Wait(ctx, s.done(p), g - 2, entered)) return;
       }
       T* mine = reinterpret_cast<T*>(s.slot(rank_, g, capacity_));
       {
@@ -206,7 +247,7 @@ class ShmAllReduceOp : public OpKernel {
       s.sig(rank_, g)->store(sig, std::memory_order_relaxed);
       s.ready(rank_)->store(g, std::memory_order_release);
       for (int p = 0; p < size_; ++p) {
-        if (p != rank_ && !Wait(ctx, s.ready(p), g, deadline)) return;
+        if (p != rank_ && !Wait(ctx, s.ready(p), g, entered)) return;
       }
       for (int p = 0; p < size_; ++p) {
         const uint64_t theirs = s.sig(p, g)->load(std::memory_order_relaxed);
@@ -228,8 +269,8 @@ class ShmAllReduceOp : public OpKernel {
         const T* s0 = slots[0] + k;
         if (size_ == 2) {
           const T* s1 = slots[1] + k;
-          if (mean_) {
-            for (int64_t j = 0; j < c; ++j) dst[j] = (s0[j] + s1[j]) * scale;
+          if (mean_) {  // divided, as the Python path divides (not multiplied by 1 / size)
+            for (int64_t j = 0; j < c; ++j) dst[j] = (s0[j] + s1[j]) / divisor;
           } else {
             for (int64_t j = 0; j < c; ++j) dst[j] = s0[j] + s1[j];
           }
@@ -239,7 +280,7 @@ class ShmAllReduceOp : public OpKernel {
             const T* sr = slots[r] + k;
             for (int64_t j = 0; j < c; ++j) dst[j] += sr[j];
           }
-          if (mean_) for (int64_t j = 0; j < c; ++j) dst[j] *= scale;
+          if (mean_) for (int64_t j = 0; j < c; ++j) dst[j] /= divisor;
         }
         k += c;
         toff += c;
@@ -253,7 +294,9 @@ class ShmAllReduceOp : public OpKernel {
 
  private:
   // Wait until *word >= target. False (and the status set) on a deadline, a peer that stopped or died.
-  bool Wait(OpKernelContext* ctx, std::atomic<uint64_t>* word, uint64_t target, Clock::time_point deadline) {
+  // `entered`: when the call began; its deadline is `timeout_` seconds later (compared as a double, so
+  // any timeout, however large, is a real one).
+  bool Wait(OpKernelContext* ctx, std::atomic<uint64_t>* word, uint64_t target, Clock::time_point entered) {
     if (word->load(std::memory_order_acquire) >= target) return true;
     const Segment& s = *seg_;
     const auto start = Clock::now();
@@ -268,22 +311,7 @@ class ShmAllReduceOp : public OpKernel {
       }
       if (now >= next_check) {
         next_check = now + std::chrono::milliseconds(50);
-        for (int p = 0; p < size_; ++p) {
-          const uint64_t st = s.state(p)->load(std::memory_order_acquire);
-          if (st != 0) {
-            if (p == rank_) {  // this rank's process group failed (Python set the word): stop now
-              ctx->SetStatus(errors::FailedPrecondition(
-                  "[tfcs-native:failed] rank ", rank_, ": the process group failed while this all-reduce waited"));
-            } else if (st == kMismatch) {
-              ctx->SetStatus(errors::FailedPrecondition(
-                  "[tfcs-native:mismatch] rank ", rank_, ": rank ", p, " found that the ranks called the "
-                  "all-reduce with different tensors"));
-            } else {
-              ctx->SetStatus(errors::Aborted("[tfcs-native:aborted:", p, "] rank ", rank_, ": rank ", p,
-                                             st == kShutdown ? " left the job (shut down)" : " stopped"));
-            }
-            return false;
-          }
+        for (int p = 0; p < size_; ++p) {  // a dead process first: it is the cause, not the ranks it stopped
           if (p != rank_ && !alive(pids_[p])) {
             s.state(rank_)->store(kPeerLost, std::memory_order_release);
             ctx->SetStatus(errors::Unavailable("[tfcs-native:peer_lost:", p, "] rank ", rank_, ": rank ", p,
@@ -291,7 +319,25 @@ class ShmAllReduceOp : public OpKernel {
             return false;
           }
         }
-        if (now >= deadline) {
+        for (int p = 0; p < size_; ++p) {
+          const uint64_t st = s.state(p)->load(std::memory_order_acquire);
+          if (st == 0) continue;
+          if (p == rank_) {  // this rank's process group failed (Python set the word): stop now
+            ctx->SetStatus(errors::FailedPrecondition(
+                st == kShutdown ? "[tfcs-native:shutdown] rank " : "[tfcs-native:failed] rank ", rank_,
+                st == kShutdown ? ": the process group was shut down while this all-reduce waited"
+                                : ": the process group failed while this all-reduce waited"));
+          } else if (st == kMismatch) {
+            ctx->SetStatus(errors::FailedPrecondition(
+                "[tfcs-native:mismatch] rank ", rank_, ": rank ", p, " found that the ranks called the "
+                "all-reduce with different tensors"));
+          } else {
+            ctx->SetStatus(errors::Aborted("[tfcs-native:aborted:", p, "] rank ", rank_, ": rank ", p, " ",
+                                           StoppedBecause(st)));
+          }
+          return false;
+        }
+        if (std::chrono::duration<double>(now - entered).count() >= timeout_) {
           s.state(rank_)->store(kTimeout, std::memory_order_release);
           ctx->SetStatus(errors::DeadlineExceeded(
               "[tfcs-native:timeout] rank ", rank_, ": the all-reduce did not complete within ", timeout_,
