@@ -24,6 +24,14 @@ def _tf():
     return tf, tfcs
 
 
+def _sum_step(tf, s):
+    """A tf.function that all-reduces (SUM) one tensor through the strategy ``s``."""
+    @tf.function
+    def step(x):
+        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    return step
+
+
 def _inputs(rank, dtype):
     rng = np.random.default_rng(100 + rank)
     shapes = [(3, 5), (), (0,), (1_300_000,), (7, 11, 13)]  # 1.3 M float32: two slots' worth of pieces
@@ -92,10 +100,7 @@ def _failing(rank, size, how):
     tf, tfcs = _tf()
     s = tfcs.CommStrategy(timeout=4 if how == "absent" else 30)
     n = 4 + (rank if how == "mismatch" else 0)
-
-    @tf.function
-    def step(x):
-        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step = _sum_step(tf, s)
     step(tf.ones([4]))  # a good call first: both ranks are in step
     if rank == 1 and how == "absent":
         time.sleep(8)  # never calls again (and does not leave before rank 0's deadline)
@@ -144,10 +149,7 @@ def _after_shutdown(rank, size):
     tf, tfcs = _tf()
     from tf_commstrategy.backends.grpc import shm_memory
     s = tfcs.CommStrategy()
-
-    @tf.function
-    def step(x):
-        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step = _sum_step(tf, s)
     first = float(step(tf.ones([3])).numpy()[0])
     left = [n for n in os.listdir(shm_memory.SHM_DIR) if "-native-" in n and n.startswith("tfcs-shm-")]
     tfcs.shutdown()
@@ -189,10 +191,7 @@ def _busy(rank, size):
     tf, tfcs = _tf()
     s = tfcs.CommStrategy()
     native = s.extended._native
-
-    @tf.function
-    def step(x):
-        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step = _sum_step(tf, s)
     step(tf.ones([4]))
     before = native.busy_seconds()
     if rank == 1:
@@ -241,10 +240,7 @@ def test_float_and_double_calls_and_empty_calls_share_the_generations():
 def _no_deadline_but_infinity(rank, size):
     tf, tfcs = _tf()
     s = tfcs.CommStrategy()
-
-    @tf.function
-    def step(x):
-        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step = _sum_step(tf, s)
     step(tf.ones([2]))
     if rank == 1:
         time.sleep(0.5)  # rank 0 waits past its spin: an infinite deadline must not read as an expired one
@@ -258,10 +254,7 @@ def test_an_infinite_timeout_waits():
 def _old_graph_after_reinit(rank, size):
     tf, tfcs = _tf()
     s = tfcs.CommStrategy()
-
-    @tf.function
-    def step(x):
-        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step = _sum_step(tf, s)
     step(tf.ones([2]))
     tfcs.shutdown()
     tfcs.init()  # a new job on the same coordinator address
@@ -281,10 +274,7 @@ def test_an_old_graph_after_a_new_init_fails_without_aborting_the_new_job():
 def _failure_without_unwrap(rank, size):
     tf, tfcs = _tf()
     s = tfcs.CommStrategy(timeout=30)
-
-    @tf.function
-    def step(x):
-        return s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(x,))
+    step = _sum_step(tf, s)
     try:
         step(tf.ones([4 + rank]))  # different tensors; no unwrap_errors around the call
         first = "no error"
