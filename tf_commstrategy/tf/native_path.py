@@ -68,6 +68,10 @@ class NativeAllReduce:
         self._pids = [int(x.pid) for x in group.workers]
         self._spin_us = spin_microseconds(group.size)
         self._words = np.frombuffer(seg.mm, dtype=np.uint64, count=header_bytes // 8)
+        # this rank's words in the op's header (shm_allreduce.cc): its state line, and its counters line
+        self._state = _word(group.size, group.rank, line_kind=2)
+        self._calls = _word(group.size, group.rank, line_kind=3, offset=2)
+        self._busy_ns = _word(group.size, group.rank, line_kind=3, offset=3)
 
     # -- set-up ----------------------------------------------------------------------------------
     @classmethod
@@ -98,7 +102,7 @@ class NativeAllReduce:
         bad = [(r, x["why"]) for r, x in enumerate(said) if x["why"]]
         required = any(x["required"] for x in said)
         if not bad:
-            seg, bad = cls._map_segment(group, lib, prefix)
+            seg, bad = cls._map_segment(group, prefix)
             if seg is not None:
                 header = _header_bytes(size)
                 native = cls(group, seg, lib, header, SLOT_BYTES)
@@ -132,7 +136,7 @@ class NativeAllReduce:
         return ("" if lib is not None else why), lib
 
     @staticmethod
-    def _map_segment(group, lib, prefix: str):
+    def _map_segment(group, prefix: str):
         """Rank 0 makes the segment, every rank maps it, rank 0 unlinks it: (segment, []) or (None, why)."""
         from ..backends.grpc import shm_memory
         store, rank, size, t = group.store, group.rank, group.size, group.rendezvous_timeout
@@ -183,7 +187,8 @@ class NativeAllReduce:
         dtype = tensors[0].dtype
         if dtype not in (tf.float32, tf.float64) or any(t.dtype != dtype for t in tensors):
             return False
-        return all("GPU" not in (t.device or "").upper() for t in tensors)
+        from .device_path import on_gpu
+        return not any(on_gpu(t) for t in tensors)
 
     def allreduce(self, tensors, mean: bool, timeout: Optional[float]) -> List[tf.Tensor]:
         """SUM (or MEAN when ``mean``) of ``tensors`` over every rank, as new tensors of the same shapes.
@@ -210,16 +215,16 @@ class NativeAllReduce:
 
     def calls(self) -> int:
         """How many calls this rank has made (the op counts them in the segment)."""
-        return int(self._words[(3 * self.group.size + self.group.rank) * 8 + 2])
+        return int(self._words[self._calls])
 
     def busy_seconds(self) -> float:
         """Time this rank has spent inside the op, waiting for its peers included (it counts it)."""
-        return int(self._words[(3 * self.group.size + self.group.rank) * 8 + 3]) * 1e-9
+        return int(self._words[self._busy_ns]) * 1e-9
 
     def error(self) -> Optional[TfcsError]:
         """Why a call of this rank's failed (its state word), or None while it is healthy: the process
         group counts it as its own failure (``ProcessGroup.failure``), also when no ``unwrap_errors`` saw it."""
-        state = int(self._words[(2 * self.group.size + self.group.rank) * 8])
+        state = int(self._words[self._state])
         if state in (0, STATE_SHUTDOWN):
             return None
         return CollectiveError(f"a compiled all-reduce failed ({_STATES.get(state, state)})", rank=self.group.rank,
@@ -229,9 +234,8 @@ class NativeAllReduce:
     def fail(self, error: BaseException) -> None:
         """The process group failed (a lost peer, a timeout, an abort from another rank): a call of
         this rank that waits ends within 50 ms, peers waiting for this rank too, and later calls fail."""
-        state = (2 * self.group.size + self.group.rank) * 8
-        if self._words[state] == 0:
-            self._words[state] = STATE_FAILED
+        if self._words[self._state] == 0:
+            self._words[self._state] = STATE_FAILED
 
     def close(self) -> None:
         """This rank leaves: peers waiting for it fail at once, and its own later calls fail cleanly.
@@ -239,9 +243,8 @@ class NativeAllReduce:
         The state word first (a call of this rank still waiting sees it within 50 ms and ends), then the
         library swaps the shared pages for private memory that says "shut down", under the lock every
         call holds, so no call is summing while the pages go."""
-        state = (2 * self.group.size + self.group.rank) * 8
-        if self._words[state] == 0:
-            self._words[state] = STATE_SHUTDOWN
+        if self._words[self._state] == 0:
+            self._words[self._state] = STATE_SHUTDOWN
         release = ctypes.CDLL(native_build.path).TfcsShmRelease
         release.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
         release.restype = ctypes.c_int
@@ -249,6 +252,12 @@ class NativeAllReduce:
         if err:
             log.warning("tf_commstrategy rank %d: could not release the compiled all-reduce's shared memory "
                         "(errno %d); it is freed when the process exits", self.group.rank, err)
+
+
+def _word(size: int, rank: int, line_kind: int, offset: int = 0) -> int:
+    """Index (in uint64 words) of ``rank``'s word ``offset`` in line ``line_kind`` of the op's header:
+    64-byte lines, ``size`` of each kind (0 ready, 1 done, 2 state, 3 signatures and counters)."""
+    return (line_kind * size + rank) * 8 + offset
 
 
 def _header_bytes(size: int) -> int:
