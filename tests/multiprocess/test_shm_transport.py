@@ -22,12 +22,16 @@ def _small_shm(rank, size, only_kind=None):
     import tf_commstrategy as tfcs
     from tf_commstrategy.backends.grpc import shm_memory, shm_transport
     from tf_commstrategy.process import default_group
-    warnings = []
+    warnings, reports = [], []
 
     class Grab(logging.Handler):
         def emit(self, record):
-            warnings.append(record.getMessage())
-    logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.WARNING))
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+            elif record.getMessage().startswith("tf_commstrategy: data paths of the job"):
+                reports.append(record.getMessage())
+    logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.INFO))
+    logging.getLogger("tf_commstrategy").setLevel(logging.INFO)
     if rank == 1:  # as if this rank's /dev/shm were full (a container's 64 MiB default, say)
         create = shm_memory.Segment.create
 
@@ -47,29 +51,37 @@ def _small_shm(rank, size, only_kind=None):
     got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
     b = default_group().backend("grpc")
     return (b.transport, isinstance(b._ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(), warnings,
-            b.stats()["allreduce"])
+            b.stats()["allreduce"], reports)
 
 
-def test_too_small_dev_shm_falls_back_to_unix_sockets_with_one_warning():
+def test_too_small_dev_shm_falls_back_to_unix_sockets_with_one_warning_per_job():
     res = run_workers(_small_shm, 3, timeout=120)
     n = 300_000
-    for rank, (transport, shm_in, tail, warns, path) in enumerate(res):
+    for rank, (transport, shm_in, tail, warns, path, reports) in enumerate(res):
         assert tail == [(n - 3) * 6.0, (n - 2) * 6.0, (n - 1) * 6.0]
         assert path == "ring"  # no shared all-reduce buffers either
+        assert (len(warns), len(reports)) == ((1, 1) if rank == 0 else (0, 0)), (rank, warns, reports)
     # rank 1 cannot create segments: its inbound (0 -> 1) and outbound (1 -> 2) links use unix sockets
     assert res[0][0] == "unix" and res[1][0] == "unix" and not res[1][1]
     assert res[2][0] == "shm" and not res[2][1]  # 2 -> 0 stays shared memory; 1 -> 2 came in over unix
-    assert len(res[1][3]) == 1 and "No space left" in res[1][3][0], res[1][3]  # one warning, where it happened
+    # the job's one warning (from rank 0) names the rank, its reason, the links that fell back and the fix
+    warning = res[0][3][0]
+    assert "rank 1, shared-memory links:" in warning and "No space left" in warning, warning
+    assert "links 0->1, 1->2 use Unix sockets" in warning and "--shm-size" in warning, warning
+    assert res[0][5][0].endswith("(3 ranks on 1 host): ring: unix x2 (0->1, 1->2), shm x1 (2->0)"), res[0][5]
 
 
 def test_no_room_for_the_shared_all_reduce_buffers_keeps_the_shm_ring_with_one_warning():
     res = run_workers(_small_shm, 3, "fuse", timeout=120)
     n = 300_000
-    for rank, (transport, shm_in, tail, warns, path) in enumerate(res):
+    for rank, (transport, shm_in, tail, warns, path, reports) in enumerate(res):
         assert tail == [(n - 3) * 6.0, (n - 2) * 6.0, (n - 1) * 6.0]
         assert path == "ring" and transport == "shm" and shm_in, (rank, transport, shm_in, path)
-        assert len(warns) == (1 if rank == 1 else 0), (rank, warns)
-    assert "shared all-reduce buffers unavailable" in res[1][3][0] and "No space left" in res[1][3][0]
+        assert len(warns) == (1 if rank == 0 else 0), (rank, warns)
+    warning = res[0][3][0]
+    assert "rank 1, shared all-reduce buffers:" in warning and "No space left" in warning, warning
+    assert "the all-reduce uses the ring" in warning and "Unix sockets" not in warning, warning
+    assert res[0][5][0].endswith("ring: shm x3 (0->1, 1->2, 2->0)"), res[0][5]
 
 
 
@@ -108,7 +120,10 @@ def test_a_neighbours_bell_that_cannot_be_mapped_falls_back_to_unix_sockets():
     # rank 1 has neither neighbour's bell: 0 -> 1 (it cannot ring 0 when it frees space) and 1 -> 2 use sockets
     assert res[0][0] == "unix" and res[1][0] == "unix" and not res[1][1], res
     assert res[2][0] == "shm" and not res[2][1], res
-    assert len(res[1][3]) == 1 and "cannot map rank 2" in res[1][3][0] and "Cannot allocate" in res[1][3][0], res[1][3]
+    assert [len(r[3]) for r in res] == [1, 0, 0], res  # one warning per job, from rank 0, naming rank 1's cause
+    warning = res[0][3][0]
+    assert "rank 1, shared-memory links: cannot map rank 2" in warning and "Cannot allocate" in warning, warning
+    assert "links 0->1, 1->2 use Unix sockets" in warning, warning
 
 
 def _killed_mid_allreduce(rank, size, transport):

@@ -113,8 +113,22 @@ def wait_all(workers, timeout):
         pytest.fail(f"workers failed or timed out (None = killed at the {timeout} s limit): {bad}\n{logs}")
 
 
-def _data_path_lines(text):
-    return re.findall(r"ring data path to rank (\d+): (\w+)", text)
+def job_links(workers):
+    """The job's one report of its data paths (rank 0 logs it; no other rank may): ring name -> {(src, dst): kind}."""
+    found = {w.rank: re.findall(r"data paths of the job \((\d+) ranks on (\d+) hosts?\): (.*)", w.output())
+             for w in workers}
+    assert [r for r, lines in found.items() if lines] == [0], {r: len(v) for r, v in found.items()}
+    assert len(found[0]) == 1, found[0]
+    _ranks, _hosts, body = found[0][0]
+    rings = {}
+    for part in body.split("; "):
+        name, kinds = part.split(": ", 1)
+        links = rings.setdefault(name, {})
+        for kind, pairs in re.findall(r"(\w+) x\d+ \(([^)]*)\)", kinds):
+            for pair in pairs.split(", "):
+                src, dst = pair.split("->")
+                links[(int(src), int(dst))] = kind
+    return rings
 
 
 # -- 1: model.fit, 3 hosts ----------------------------------------------------------------------------------
@@ -140,9 +154,9 @@ def test_fit_three_hosts_matches_single_process(make_hosts, tmp_path):
         assert info["advertise_host"] == hosts.addresses[w.host]
         # every ring link joins two hosts: it must be gRPC, in the log line and in the backend
         assert info["transport"] == "grpc", info
-        assert _data_path_lines(w.output()) == [(str((w.rank + 1) % 3), "grpc")], w.output()[-2000:]
         npz = np.load(os.path.join(out, f"fit-{w.rank}.npz"))
         results.append([npz[f"arr_{i}"] for i in range(len(npz.files))])
+    assert job_links(workers) == {"ring": {(0, 1): "grpc", (1, 2): "grpc", (2, 0): "grpc"}}
     for r in (1, 2):  # identical on every worker
         for i, (a, b) in enumerate(zip(results[0], results[r])):
             np.testing.assert_array_equal(a, b, err_msg=f"weight {i}: rank {r} differs from rank 0")
@@ -175,15 +189,10 @@ def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path, p
         info = json.load(open(os.path.join(out, f"coll-{w.rank}.json")))
         assert info["hostname"] == hosts.hostnames[w.host]
         assert info["hierarchical"] == (hierarchical == "1"), info
-        if hierarchical == "1":  # host ring within each host, leader ring between ranks 0 and 2
-            text = w.output()
-            assert "hierarchy: host-ring link to rank" in text, text[-2000:]
-            assert ("hierarchy: leader-ring link to rank" in text) == (w.rank in leaders), text[-2000:]
         mine = next(g for g in groups if w.rank in g)
         assert (info["local_rank"], info["local_size"]) == (mine.index(w.rank), len(mine)), info
         assert info["advertise_host"] == hosts.addresses[w.host], info
         assert info["transport"] == expected_links[w.rank], info
-        assert _data_path_lines(w.output()) == [(str((w.rank + 1) % size), expected_links[w.rank])]
         got = np.load(os.path.join(out, f"coll-{w.rank}.npz"))
         for key, want in WK.expected_collectives(w.rank, size).items():
             assert got[key].dtype == want.dtype, (key, got[key].dtype, want.dtype)
@@ -193,6 +202,14 @@ def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path, p
                 np.testing.assert_allclose(got[key], want, rtol=tol, atol=tol, err_msg=f"rank {w.rank} {key}")
             else:
                 np.testing.assert_array_equal(got[key], want, err_msg=f"rank {w.rank} {key}")
+    # the job's one report names every link of every ring, as each rank's backend has it
+    want = {"ring": {(r, (r + 1) % size): expected_links[r] for r in range(size)}}
+    if hierarchical == "1":  # a host ring within each host, a leader ring among the hosts' first ranks
+        local = "tcp" if transport == "tcp" else "unix"
+        want["host rings"] = {(g[i], g[(i + 1) % len(g)]): local for g in groups if len(g) > 1 for i in range(len(g))}
+        remote = "tcp" if transport == "tcp" else "grpc"
+        want["leader ring"] = {(leaders[i], leaders[(i + 1) % len(leaders)]): remote for i in range(len(leaders))}
+    assert job_links(workers) == want
 
 
 # -- 2: a host's link goes down --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import List, Optional
 
-from . import shm_memory, shm_transport, socket_transport, transport
+from . import setup_report, shm_memory, shm_transport, socket_transport, transport
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -50,6 +50,7 @@ class RingLinks:
         self.inbound = None  # the left neighbour's frames read in the calling thread (shm or socket receiver)
         self._shm: Optional[shm_transport.ShmLinks] = None
         self.transport = "none"
+        self.planned = "none"  # the outbound kind chosen from the worker facts (shm may fall back to unix)
         if self.size == 1:
             return
         try:
@@ -58,11 +59,9 @@ class RingLinks:
             self.close()
             raise
         self.transport = outbound
-        if ring_id == 0:
-            log.info("tf_commstrategy rank %d: ring data path to rank %d: %s", backend.rank, self.right, outbound)
-        else:
-            log.info("tf_commstrategy rank %d: hierarchy: %s link to rank %d: %s", backend.rank,
-                     "host-ring" if ring_id == 1 else "leader-ring", self.right, outbound)
+        # the job's report (setup_report, rank 0) names every link once; each rank's own at DEBUG
+        log.debug("tf_commstrategy rank %d: %s data path to rank %d: %s", backend.rank,
+                  setup_report.RING_NAMES.get(ring_id, "ring"), self.right, outbound)
 
     def _connect(self, backend, ring_id: int, requested: str) -> str:
         """Open the links to both neighbours (a collective step of init); returns the outbound kind."""
@@ -70,6 +69,7 @@ class RingLinks:
         w = g.workers
         kinds = link_kinds(w, self.members, requested)
         inbound, outbound = kinds[(self.rank - 1) % self.size], kinds[self.rank]
+        self.planned = outbound
         if "shm" in (inbound, outbound):
             local = sum(1 for x in w if x.host_key == w[backend.rank].host_key)
             spin = shm_memory.spin_seconds(local)
@@ -100,11 +100,15 @@ class RingLinks:
         return outbound
 
     def shm_problem(self):
-        """Why this rank's shared-memory links fell back to sockets (already logged), or None."""
+        """Why this rank's shared-memory links fell back to sockets (its own cause or a neighbour's), or None."""
         shm = self._shm
         if shm is None or not shm.fell_back:
             return None
         return shm.fallback_reason or "a neighbour could not use shared memory"
+
+    def own_shm_problem(self):
+        """Why this rank itself could not set up shared memory (not a neighbour's cause), or None."""
+        return self._shm.own_problem if self._shm is not None else None
 
     def close(self) -> None:
         closed = []

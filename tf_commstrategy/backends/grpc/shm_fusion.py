@@ -58,7 +58,7 @@ import logging
 import os
 import struct
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -115,11 +115,15 @@ class FusionBuffers:
     # -- setup -----------------------------------------------------------------------------------
     @classmethod
     def create(cls, store, rank: int, size: int, pids: Sequence[int], describe, capacity: int, timeout: float,
-               spin_s: float, prefix: str = "shmfuse", known_problem: Optional[str] = None) -> Optional["FusionBuffers"]:
-        """Every rank of the job calls this at the same point of its setup. Returns the buffers, or
-        None (every rank alike) when any rank cannot create or map them. The rank where the problem
-        is logs one warning (none if ``known_problem``: its shared-memory links already warned about
-        it); the others log at INFO.
+               spin_s: float, prefix: str = "shmfuse",
+               known_problem: Optional[str] = None) -> Tuple[Optional["FusionBuffers"], Optional[str]]:
+        """Every rank of the job calls this at the same point of its setup.
+
+        Returns:
+          (the buffers, or None (every rank alike) when any rank cannot create or map them; the
+          problem found on this rank itself, for the job's one warning (``setup_report``), or None when
+          there is none, the cause is a peer's, or it is ``known_problem``: this rank's shared-memory
+          links fell back for it and are reported already).
         """
         reason = "turned off (TFCS_SHM_FUSION_BYTES=0)" if capacity <= 0 else (known_problem or
                                                                                shm_memory.available())
@@ -162,11 +166,10 @@ class FusionBuffers:
             if reason is not None:
                 for s in list(peers.values()) + ([seg] if seg is not None else []):
                     s.close()
-                (log.info if warned else log.warning)(
-                    "tf_commstrategy rank %d: shared all-reduce buffers unavailable (%s); all-reduce uses the ring "
-                    "instead", rank, reason)
-                return None
-            return cls(rank, size, seg, peers, min(caps), pids, describe, spin_s)
+                log.debug("tf_commstrategy rank %d: shared all-reduce buffers unavailable (%s); all-reduce uses the "
+                          "ring instead", rank, reason)
+                return None, (None if warned else reason)
+            return cls(rank, size, seg, peers, min(caps), pids, describe, spin_s), None
         except BaseException:  # the store failed us (a peer gone, a deadline): leave nothing in /dev/shm
             for s in peers.values():
                 s.close()

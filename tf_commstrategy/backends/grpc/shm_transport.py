@@ -297,6 +297,7 @@ class ShmLinks:
         self.rank = rank
         self.sender: Optional[ShmSender] = None
         self.receiver: Optional[ShmReceiver] = None
+        self.own_problem: Optional[str] = None
         reason = None
         bell = ring = None
         if want_in or want_out:
@@ -324,6 +325,7 @@ class ShmLinks:
             mine = {"bell": bell.path if bell else None, "ring": ring.path if ring else None, "why": reason}
             store.set(f"{prefix}/seg/{rank}", json.dumps(mine))
             self.fallback_reason = reason
+            self.own_problem = reason  # a cause found on this rank (the job's report warns about it once)
             my_bell = Bell(bell) if bell else None
             # the left neighbour's bell: I ring it when I free space in my ring
             if want_in and my_bell is not None:
@@ -331,7 +333,7 @@ class ShmLinks:
                 try:
                     left_bell = Bell(Segment.attach(theirs["bell"])) if theirs["bell"] else None
                 except OSError as e:
-                    self.fallback_reason = f"cannot map rank {left}'s bell: {e}"
+                    self.fallback_reason = self.own_problem = f"cannot map rank {left}'s bell: {e}"
             if want_in:
                 store.set(f"{prefix}/bellok/{rank}", "1" if left_bell is not None else "0")
             # my outbound: map the right neighbour's ring and bell
@@ -343,7 +345,7 @@ class ShmLinks:
                         right_ring = Segment.attach(theirs["ring"])
                         right_bell = Bell(Segment.attach(theirs["bell"]))
                     except OSError as e:
-                        self.fallback_reason = f"cannot map rank {right}'s segments: {e}"
+                        self.fallback_reason = self.own_problem = f"cannot map rank {right}'s segments: {e}"
                 elif theirs.get("why"):
                     self.fallback_reason = f"rank {right}: {theirs['why']}"
                 bell_ok = store.get(f"{prefix}/bellok/{right}", timeout) == "1"
@@ -381,9 +383,9 @@ class ShmLinks:
             raise
         self.bell = my_bell
         self.fell_back = (want_in and self.receiver is None) or (want_out and self.sender is None)
-        if self.fell_back:
-            log.warning("tf_commstrategy rank %d: shared memory unavailable (%s); using Unix sockets instead",
-                        rank, self.fallback_reason or "a neighbour could not use it")
+        if self.fell_back:  # rank 0 warns once for the job (setup_report)
+            log.debug("tf_commstrategy rank %d: shared memory unavailable (%s); using Unix sockets instead",
+                      rank, self.fallback_reason or "a neighbour could not use it")
 
     def close(self) -> None:
         if self.sender is not None:
