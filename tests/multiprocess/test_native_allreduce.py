@@ -47,11 +47,18 @@ def _reduce(rank, size, dtype, op):
     @tf.function
     def step(xs):
         return s.run(lambda *v: tf.distribute.get_replica_context().all_reduce(op, list(v)), args=tuple(xs))
+
+    @tf.function
+    def doubled(xs):  # inputs made inside the graph: nothing else holds them, the op may write its result there
+        return s.run(lambda *v: tf.distribute.get_replica_context().all_reduce(op, [2 * t for t in v]),
+                     args=tuple(xs))
     calls0 = native.calls() if native is not None else None
     out = [t.numpy() for t in step(xs)]
     out_again = [t.numpy() for t in step(xs)]  # a second call: the next generations of the same slots
+    out_doubled = [t.numpy() for t in doubled(xs)]
     eager = s.extended.reduce_to(op.upper(), tf.constant(_inputs(rank, dtype)[0]), "/device:CPU:0").numpy()
-    return native is not None, (native.calls() - calls0) if native is not None else None, out, out_again, eager
+    calls = (native.calls() - calls0) if native is not None else None
+    return native is not None, calls, out, out_again, out_doubled, eager
 
 
 @pytest.mark.parametrize("size,dtype,op", [(2, "float32", "sum"), (2, "float64", "mean"), (3, "float32", "mean"),
@@ -59,9 +66,9 @@ def _reduce(rank, size, dtype, op):
 def test_results_match_numpy_and_are_the_same_bits_on_every_rank(size, dtype, op):
     res = run_workers(_reduce, size, dtype, op, timeout=240)
     per_rank = [_inputs(r, np.dtype(dtype)) for r in range(size)]
-    for used, calls, out, again, eager in res:
+    for used, calls, out, again, doubled, eager in res:
         assert used, "every rank on one host with a compiler: the compiled op must be used"
-        assert calls == 3  # two steps and one eager reduce_to, each one call of the op
+        assert calls == 4  # three steps and one eager reduce_to, each one call of the op
         for i, got in enumerate(out):
             want = sum(p[i].astype(np.float64) for p in per_rank)
             if op == "mean":
@@ -69,7 +76,8 @@ def test_results_match_numpy_and_are_the_same_bits_on_every_rank(size, dtype, op
             assert got.shape == per_rank[0][i].shape and got.dtype == np.dtype(dtype)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"tensor {i}")
             assert got.tobytes() == res[0][2][i].tobytes()  # identical on every rank
-            assert got.tobytes() == again[i].tobytes()
+            assert got.tobytes() == again[i].tobytes()  # the caller's inputs were not overwritten
+            np.testing.assert_allclose(doubled[i], 2 * want, rtol=1e-5, atol=1e-5, err_msg=f"doubled tensor {i}")
         want0 = sum(p[0].astype(np.float64) for p in per_rank)
         np.testing.assert_allclose(eager, want0 / size if op == "mean" else want0, rtol=1e-5, atol=1e-5)
 
