@@ -49,7 +49,7 @@ def _reduce(rank, size, dtype, op):
         return s.run(lambda *v: tf.distribute.get_replica_context().all_reduce(op, list(v)), args=tuple(xs))
 
     @tf.function
-    def doubled(xs):  # inputs made inside the graph: nothing else holds them, the op may write its result there
+    def doubled(xs):  # inputs made inside the graph (intermediates, not tensors the caller holds)
         return s.run(lambda *v: tf.distribute.get_replica_context().all_reduce(op, [2 * t for t in v]),
                      args=tuple(xs))
     calls0 = native.calls() if native is not None else None
