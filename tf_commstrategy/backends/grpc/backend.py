@@ -98,17 +98,21 @@ class GrpcRingBackend(Backend):
         self._ring = links.RingLinks(self, 0, list(range(self.size)), requested)
         self.transport = self._ring.transport
         problems = []  # (what, why): shared memory this rank could not set up (rank 0 warns once per job)
+        fusion_state = None  # what became of the shared all-reduce buffers, when the job planned them
         if all(k == "shm" for k in kinds) and self.size >= 3:
             # every rank shares this host's memory: all-reduce through shared buffers, not the ring. With
             # 2 ranks the ring moves less (it copies 1.5x the buffer, the shared buffers 2x; measured
             # 4 MiB: 0.48-0.64 ms ring, 0.69-0.81 ms buffers); with 4 ranks the buffers win (2.31 vs 2.68 ms)
             spin = shm_memory.spin_seconds(self.size)
             links_problem = self._ring.shm_problem()
+            fusion_bytes = config.shm_fusion_bytes_from_env()
             self._fusion, fusion_problem = shm_fusion.FusionBuffers.create(
-                g.store, self.rank, self.size, [x.pid for x in w], self.describe, config.shm_fusion_bytes_from_env(),
+                g.store, self.rank, self.size, [x.pid for x in w], self.describe, fusion_bytes,
                 g.rendezvous_timeout, spin, known_problem=links_problem)
             if fusion_problem:
                 problems.append(("shared all-reduce buffers", fusion_problem))
+            fusion_state = ("used" if self._fusion is not None
+                            else "off" if fusion_bytes <= 0 else "dropped")
             if self._fusion is not None and self.rank == 0:
                 log.info("tf_commstrategy: all-reduce through shared buffers (%d ranks on one host, %d MiB each)",
                          self.size, self._fusion.capacity >> 20)
@@ -126,12 +130,10 @@ class GrpcRingBackend(Backend):
             if self.rank in leaders:
                 self._leader_ring = links.RingLinks(self, 2, leaders, requested)
         rings = (self._ring, self._host_ring, self._leader_ring)
-        for r in rings:
-            if r is not None and r.own_shm_problem():
-                problems.insert(0, ("shared-memory links", r.own_shm_problem()))
-                break
+        own = [r.own_shm_problem() for r in rings if r is not None and r.own_shm_problem()]
+        problems[:0] = [("shared-memory links", why) for why in dict.fromkeys(own)]  # each cause once, in ring order
         setup_report.publish(g.store, self.rank, self.size, g.rendezvous_timeout,
-                             setup_report.my_facts(rings, problems), len(hosts))
+                             setup_report.my_facts(rings, problems, fusion_state), len(hosts))
 
     def serves_transport(self, name: str) -> bool:
         """Whether a call that asks for transport ``name`` runs on the links this job set up: "auto",

@@ -5,30 +5,60 @@ sockets). At the end of the backend's setup every rank publishes those facts in 
 store; rank 0 reads them all and logs one INFO line naming every link of every ring, and, when any
 rank could not use shared memory, one WARNING that names the ranks, their reasons and the fix. The
 other ranks log their own links at DEBUG only, so a job of any size prints the choice once.
+
+The report is informational: it never fails a job. Rank 0 waits at most ``REPORT_WAIT_S`` in all for
+the other ranks' parts (they publish at the same point of setup, right after their rings connect); a
+rank that has not published by then is named as missing and the report lists the others. A rank that
+died is named again, with its cause, by the peer-loss error of the job's next collective.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Dict, List, Sequence, Tuple
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ...errors import TfcsError
 
 log = logging.getLogger("tf_commstrategy")
 
 #: The rings of a job by ring id (``links.RingLinks.ring_id``).
 RING_NAMES = {0: "ring", 1: "host rings", 2: "leader ring"}
-#: Links of one kind listed by name in the INFO line; more are counted ("+12 more").
+#: Links (or ranks) of one kind listed by name; more are counted ("+12 more").
 LIST_AT_MOST = 8
+#: Seconds rank 0 waits, in all, for the other ranks' parts of the report (capped by the rendezvous timeout).
+REPORT_WAIT_S = 15.0
 #: What the warning tells a user whose ranks could not use shared memory.
 SHM_FIX = ("give /dev/shm more room (docker run --shm-size=1g; on Kubernetes an emptyDir volume with "
            "medium: Memory mounted at /dev/shm)")
+#: What became of the shared all-reduce buffers on a rank (``fusion`` in its facts; None: not planned).
+FUSION_STATES = ("used", "dropped", "off")
 
 
-def my_facts(rings, problems: Sequence[Tuple[str, str]]) -> dict:
-    """This rank's part of the report: each ring's outbound link (ring id, right neighbour, planned and
-    actual kind) and the problems found on this rank ((what, reason) pairs)."""
+def my_facts(rings, problems: Sequence[Tuple[str, str]], fusion: Optional[str] = None) -> dict:
+    """This rank's part of the report.
+
+    Args:
+      rings: the rank's rings (None for one it is not in); each gives its outbound link (ring id, right
+        neighbour, planned and actual kind).
+      problems: (what, reason) pairs found on this rank.
+      fusion: what became of the shared all-reduce buffers (one of ``FUSION_STATES``), or None when the
+        job did not plan them.
+    """
+    if fusion is not None and fusion not in FUSION_STATES:
+        raise ValueError(f"fusion={fusion!r}: expected one of {FUSION_STATES} or None")
     out = [[r.ring_id, r.right, r.planned, r.transport] for r in rings if r is not None and r.size > 1]
-    return {"links": out, "problems": [list(p) for p in problems]}
+    return {"links": out, "problems": [list(p) for p in problems], "fusion": fusion}
+
+
+def _listed(names: List[str]) -> str:
+    shown = ", ".join(names[:LIST_AT_MOST])
+    return shown + (f", +{len(names) - LIST_AT_MOST} more" if len(names) > LIST_AT_MOST else "")
+
+
+def _ranks_text(ranks: List[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {_listed([str(r) for r in sorted(ranks)])}"
 
 
 def _kinds_text(links: List[Tuple[int, int, str]]) -> str:
@@ -37,51 +67,96 @@ def _kinds_text(links: List[Tuple[int, int, str]]) -> str:
         by_kind.setdefault(kind, []).append(f"{src}->{dst}")
     parts = []
     for kind in sorted(by_kind, key=lambda k: (-len(by_kind[k]), k)):
-        names = by_kind[kind]
-        shown = ", ".join(names[:LIST_AT_MOST])
-        more = f", +{len(names) - LIST_AT_MOST} more" if len(names) > LIST_AT_MOST else ""
-        parts.append(f"{kind} x{len(names)} ({shown}{more})")
+        parts.append(f"{kind} x{len(by_kind[kind])} ({_listed(by_kind[kind])})")
     return ", ".join(parts)
 
 
-def summary(reports: Sequence[dict], hosts: int) -> str:
-    """The INFO line: every link of every ring, grouped by data path."""
+def _present(reports: Sequence[Optional[dict]]):
+    return [(rank, rep) for rank, rep in enumerate(reports) if rep is not None]
+
+
+def summary(reports: Sequence[Optional[dict]], hosts: int) -> str:
+    """The INFO line: every link of every ring, grouped by data path (None: a rank that did not report)."""
     rings: Dict[int, List[Tuple[int, int, str]]] = {}
-    for rank, rep in enumerate(reports):
+    for rank, rep in _present(reports):
         for ring_id, right, _planned, actual in rep["links"]:
             rings.setdefault(ring_id, []).append((rank, right, actual))
     parts = [f"{RING_NAMES.get(i, f'ring {i}')}: {_kinds_text(rings[i])}" for i in sorted(rings)]
+    missing = [rank for rank, rep in enumerate(reports) if rep is None]
+    gap = f"; {_ranks_text(missing)} did not report" if missing else ""
     return (f"tf_commstrategy: data paths of the job ({len(reports)} ranks on {hosts} host"
-            f"{'' if hosts == 1 else 's'}): " + "; ".join(parts))
+            f"{'' if hosts == 1 else 's'}{gap}): " + "; ".join(parts))
 
 
-def warning(reports: Sequence[dict]) -> str:
+def warning(reports: Sequence[Optional[dict]]) -> str:
     """The WARNING line when some rank could not use shared memory, else ""."""
-    problems = [f"rank {rank}, {what}: {why}" for rank, rep in enumerate(reports) for what, why in rep["problems"]]
-    fell = [f"{rank}->{right}" for rank, rep in enumerate(reports)
-            for _ring, right, planned, actual in rep["links"] if planned == "shm" and actual != "shm"]
-    if not problems and not fell:
+    present = _present(reports)
+    causes: Dict[Tuple[str, str], List[int]] = {}  # one cause, every rank that found it
+    for rank, rep in present:
+        for what, why in rep["problems"]:
+            causes.setdefault((what, why), []).append(rank)
+    fell: Dict[int, List[str]] = {}  # ring id -> links planned on shared memory that use sockets
+    for rank, rep in present:
+        for ring_id, right, planned, actual in rep["links"]:
+            if planned == "shm" and actual != "shm":
+                fell.setdefault(ring_id, []).append(f"{rank}->{right}")
+    dropped = (any(rep.get("fusion") == "dropped" for _rank, rep in present)
+               or any(what == "shared all-reduce buffers" for what, _why in causes))
+    if not causes and not fell and not dropped:
         return ""
-    text = "tf_commstrategy: shared memory unavailable (" + ("; ".join(problems) or "a rank could not map a "
-                                                             "neighbour's segments") + ")"
+    said = [f"{_ranks_text(ranks)}, {what}: {why}" for (what, why), ranks in causes.items()]
+    text = "shared memory unavailable (" + ("; ".join(said) or "a rank could not map a neighbour's segments") + ")"
     consequences, fixes = [], [SHM_FIX]
     if fell:
-        consequences.append(f"link{'s' if len(fell) > 1 else ''} {', '.join(fell)} use{'' if len(fell) > 1 else 's'} "
+        count = sum(len(v) for v in fell.values())
+        if len(fell) == 1 and 0 in fell:
+            names = _listed(fell[0])
+        else:
+            names = ", ".join(f"{_listed(fell[i])} ({RING_NAMES.get(i, f'ring {i}')})" for i in sorted(fell))
+        consequences.append(f"link{'s' if count > 1 else ''} {names} use{'' if count > 1 else 's'} "
                             "Unix sockets instead")
         fixes.append("set TFCS_TRANSPORT=unix to choose them without this warning")
-    if any(what == "shared all-reduce buffers" for rep in reports for what, _ in rep["problems"]):
+    if dropped:
         consequences.append("the all-reduce uses the ring instead of the shared buffers")
-        fixes.append("set a smaller TFCS_SHM_FUSION_BYTES (0 turns the buffers off)")
-    return (f"{text}: {' and '.join(consequences) or 'slower data paths are used'}; to fix it, "
-            f"{', or '.join(fixes)}")
+        if any(what == "shared all-reduce buffers" for what, _why in causes):
+            fixes.append("set a smaller TFCS_SHM_FUSION_BYTES (0 turns the buffers off)")
+    return (f"tf_commstrategy: {text}: "
+            f"{' and '.join(consequences) or 'slower data paths are used'}; to fix it, {', or '.join(fixes)}")
+
+
+def _valid(rep) -> bool:
+    return (isinstance(rep, dict) and isinstance(rep.get("links"), list) and isinstance(rep.get("problems"), list)
+            and all(isinstance(x, list) and len(x) == 4 for x in rep["links"])
+            and all(isinstance(p, list) and len(p) == 2 for p in rep["problems"]))
 
 
 def publish(store, rank: int, size: int, timeout: float, facts: dict, hosts: int) -> None:
-    """Every rank publishes its facts; rank 0 reads every rank's and logs the job's report."""
-    store.set(f"links/report/{rank}", json.dumps(facts))
+    """Every rank publishes its facts; rank 0 reads every rank's and logs the job's report.
+
+    Never raises for a store that fails or a rank that does not report: rank 0 waits at most
+    ``min(timeout, REPORT_WAIT_S)`` seconds in all and names the ranks whose parts it lacks.
+    """
+    try:
+        store.set(f"links/report/{rank}", json.dumps(facts))
+    except (TfcsError, OSError) as e:
+        log.debug("tf_commstrategy rank %d: could not publish its part of the data-path report: %s", rank, e)
     if rank != 0:
         return
-    reports = [facts] + [json.loads(store.get(f"links/report/{q}", timeout)) for q in range(1, size)]
+    wait_s = min(timeout, REPORT_WAIT_S)
+    end = time.monotonic() + wait_s
+    reports: List[Optional[dict]] = [facts]
+    for q in range(1, size):
+        try:
+            rep = json.loads(store.get(f"links/report/{q}", max(0.0, end - time.monotonic())))
+        except (TfcsError, OSError, ValueError):
+            rep = None
+        reports.append(rep if _valid(rep) else None)
+    missing = [q for q, rep in enumerate(reports) if rep is None]
+    if missing:
+        log.warning("tf_commstrategy: %s did not report %s data paths within %g s of rank 0's rings "
+                    "connecting; the report lists the others (a rank that died is named by the next "
+                    "collective's peer-loss error)", _ranks_text(missing), "its" if len(missing) == 1 else "their",
+                    wait_s)
     log.info("%s", summary(reports, hosts))
     text = warning(reports)
     if text:
