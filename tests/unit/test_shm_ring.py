@@ -335,3 +335,39 @@ def test_segments_of_a_creator_whose_pid_namespace_is_unknown_are_swept_too(monk
         assert not os.path.exists(seg.path)
     finally:
         seg.close()
+
+
+def test_the_first_cause_of_a_fallback_is_the_one_reported(tmp_path):
+    """Both of the neighbour's segments are gone: mapping its bell fails first, then its ring. The
+    report names the first failure (the second usually follows from the same cause)."""
+    import json
+    store = _Store()
+    gone = str(tmp_path / "gone")
+    store.set("shm/seg/1", json.dumps({"bell": gone + ".bell", "ring": gone + ".ring", "why": None}))
+    store.set("shm/bellok/1", "1")
+    store.set("shm/link/0", "0")
+    before = set(os.listdir(M.SHM_DIR))
+    links = S.ShmLinks(store, 0, 1, 1, True, True, [os.getpid(), os.getpid()], str, 1 << 16, 0.1, 0.0)
+    try:
+        assert links.fell_back and links.sender is None and links.receiver is None
+        assert links.own_problem.startswith("cannot map rank 1's bell"), links.own_problem
+        assert links.fallback_reason == links.own_problem
+        assert store.kv["shm/bellok/0"] == "0" and store.kv["shm/link/1"] == "0"
+    finally:
+        links.close()
+    assert set(os.listdir(M.SHM_DIR)) <= before  # its own segments are unlinked
+
+
+def test_a_neighbours_cause_is_not_reported_as_this_ranks_own():
+    import json
+    store = _Store()
+    store.set("shm/seg/1", json.dumps({"bell": None, "ring": None, "why": "cannot reserve 17 MiB in /dev/shm"}))
+    store.set("shm/bellok/1", "0")
+    store.set("shm/link/0", "0")
+    links = S.ShmLinks(store, 0, 1, 1, True, True, [os.getpid(), os.getpid()], str, 1 << 16, 0.1, 0.0)
+    try:
+        assert links.fell_back
+        assert links.fallback_reason == "rank 1: cannot reserve 17 MiB in /dev/shm"
+        assert links.own_problem is None
+    finally:
+        links.close()

@@ -333,7 +333,7 @@ class ShmLinks:
                 try:
                     left_bell = Bell(Segment.attach(theirs["bell"])) if theirs["bell"] else None
                 except OSError as e:
-                    self.fallback_reason = self.own_problem = f"cannot map rank {left}'s bell: {e}"
+                    self._found(f"cannot map rank {left}'s bell: {e}", own=True)
             if want_in:
                 store.set(f"{prefix}/bellok/{rank}", "1" if left_bell is not None else "0")
             # my outbound: map the right neighbour's ring and bell
@@ -345,9 +345,9 @@ class ShmLinks:
                         right_ring = Segment.attach(theirs["ring"])
                         right_bell = Bell(Segment.attach(theirs["bell"]))
                     except OSError as e:
-                        self.fallback_reason = self.own_problem = f"cannot map rank {right}'s segments: {e}"
+                        self._found(f"cannot map rank {right}'s segments: {e}", own=True)
                 elif theirs.get("why"):
-                    self.fallback_reason = f"rank {right}: {theirs['why']}"
+                    self._found(f"rank {right}: {theirs['why']}", own=False)
                 bell_ok = store.get(f"{prefix}/bellok/{right}", timeout) == "1"
                 out_ok = right_ring is not None and right_bell is not None and bell_ok
                 store.set(f"{prefix}/link/{right}", "1" if out_ok else "0")
@@ -386,6 +386,14 @@ class ShmLinks:
         if self.fell_back:  # rank 0 warns once for the job (setup_report)
             log.debug("tf_commstrategy rank %d: shared memory unavailable (%s); using Unix sockets instead",
                       rank, self.fallback_reason or "a neighbour could not use it")
+
+    def _found(self, cause: str, own: bool) -> None:
+        """Note why a link falls back. The first cause stays (a later failure usually follows from it);
+        ``own``: found on this rank, not named by a neighbour (the job's report warns about own causes)."""
+        if self.fallback_reason is None:
+            self.fallback_reason = cause
+        if own and self.own_problem is None:
+            self.own_problem = cause
 
     def close(self) -> None:
         if self.sender is not None:
