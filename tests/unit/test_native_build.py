@@ -49,3 +49,47 @@ def test_a_cached_library_another_user_could_have_written_is_not_loaded(tmp_path
     assert why is not None and "writable by others" in why
     planted.chmod(0o755)
     assert NB._trusted(str(planted)) is None
+
+
+def test_waiting_for_another_processs_build_has_a_deadline(monkeypatch, tmp_path):
+    """A build lock held past any build's length (a hung or stopped process) is a reason, not a hang."""
+    import fcntl
+    import threading
+    cxx = tmp_path / "cxx"
+    cxx.write_text("#!/bin/sh\nexit 1\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("TFCS_NATIVE_CACHE", str(cache))
+    monkeypatch.setattr(NB, "LOCK_WAIT_S", 0.5)
+    out = []
+    with open(cache / ".build.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process is "building"
+        t = threading.Thread(target=lambda: out.append(NB._build_and_load()), daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "waited for the build lock without a deadline"
+    lib, why = out[0]
+    assert lib is None and "held the build lock" in why and "fuser" in why and "TFCS_NATIVE_CACHE" in why, why
+
+
+def test_a_library_built_already_is_loaded_without_the_build_lock(monkeypatch):
+    """The lock is for builders only: a process that finds the op built does not wait on it."""
+    import fcntl
+    import threading
+    import pytest
+    if NB._compiler() is None:
+        pytest.skip("no C++ compiler here")
+    lib, why = NB._build_and_load()  # in the suite's cache: built once per machine (~10 s), else found
+    assert lib is not None, why
+    monkeypatch.setattr(NB, "_build", lambda *a: "must not build again")
+    out = []
+    with open(os.path.join(NB.cache_dir(), ".build.lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t = threading.Thread(target=lambda: out.append(NB._build_and_load()), daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "a process that found the op built waited for the build lock"
+    lib2, why2 = out[0]
+    assert lib2 is not None and why2 == "", why2

@@ -5,8 +5,8 @@ The op is compiled once per machine and TensorFlow version with the C++ compiler
 (``$TFCS_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/tf_commstrategy`` or ``~/.cache/tf_commstrategy``).
 The cached file's name holds a hash of the source, the TensorFlow version, the compiler and the
 flags and the compiler's version, so a change of any of them builds anew; one rank builds while the
-others wait on a lock file, into a private file renamed into place, and a cached file that another
-user owns or could have written is not loaded. No compiler, or a build that fails: ``library()`` says why,
+others wait on a lock file (at most ``LOCK_WAIT_S``), into a private file renamed into place, and a
+cached file that another user owns or could have written is not loaded. No compiler, or a build that fails: ``library()`` says why,
 and the strategy keeps the ``tf.numpy_function`` path (``TFCS_NATIVE=1`` makes that an error).
 """
 
@@ -20,12 +20,16 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from typing import Optional, Tuple
 
 log = logging.getLogger("tf_commstrategy")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "shm_allreduce.cc")
 BUILD_TIMEOUT_S = 600.0
+#: Seconds a process waits for another one's build of the op (the cache's lock) before it gives up and
+#: keeps the Python path: longer than a build may take.
+LOCK_WAIT_S = BUILD_TIMEOUT_S + 60.0
 
 _lock = threading.Lock()
 _result: Optional[Tuple[object, str]] = None  # (the loaded op module or None, why not)
@@ -114,12 +118,14 @@ def _build_and_load() -> Tuple[object, str]:
     except OSError as e:
         return None, f"cannot write the build cache {folder} ({e}; set TFCS_NATIVE_CACHE)"
     with lock:
-        import fcntl
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine: the ranks that start together wait for it
-        if not os.path.exists(target):
-            why = _build(compiler, folder, target)
+        if not os.path.exists(target):  # built already: no need to wait for the lock
+            why = _wait_for_lock(lock)  # one build per machine: the ranks that start together wait for it
             if why:
                 return None, why
+            if not os.path.exists(target):
+                why = _build(compiler, folder, target)
+                if why:
+                    return None, why
     why = _trusted(target)
     if why:
         return None, why
@@ -129,6 +135,28 @@ def _build_and_load() -> Tuple[object, str]:
         return None, f"cannot load {target} ({e}); delete it to rebuild"
     path = target
     return lib, ""
+
+
+def _wait_for_lock(lock) -> str:
+    """Take the cache's build lock, waiting at most ``LOCK_WAIT_S`` for another process's build; "" or
+    why not (the caller then keeps the Python path)."""
+    import fcntl
+    end = time.monotonic() + LOCK_WAIT_S
+    pause = 0.01
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return ""
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            return f"cannot lock {lock.name} ({e}; set TFCS_NATIVE_CACHE to a local directory)"
+        if time.monotonic() >= end:
+            return (f"another process has held the build lock {lock.name} for {LOCK_WAIT_S:.0f} s, longer "
+                    f"than a build may take (a hung or stopped build); find it with `fuser {lock.name}` and "
+                    "stop it, or set TFCS_NATIVE_CACHE to another directory")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
 
 
 def _build(compiler: str, folder: str, target: str) -> str:
