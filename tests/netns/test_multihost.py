@@ -113,13 +113,15 @@ def wait_all(workers, timeout):
         pytest.fail(f"workers failed or timed out (None = killed at the {timeout} s limit): {bad}\n{logs}")
 
 
-def job_links(workers):
-    """The job's one report of its data paths (rank 0 logs it; no other rank may): ring name -> {(src, dst): kind}."""
+def job_links(workers, ranks, hosts):
+    """The job's one report of its data paths (rank 0 logs it; no other rank may), of a job of ``ranks``
+    ranks on ``hosts`` hosts, every rank reporting: ring name -> {(src, dst): kind}."""
     found = {w.rank: re.findall(r"data paths of the job \((\d+) ranks on (\d+) hosts?\): (.*)", w.output())
              for w in workers}
     assert [r for r, lines in found.items() if lines] == [0], {r: len(v) for r, v in found.items()}
     assert len(found[0]) == 1, found[0]
-    _ranks, _hosts, body = found[0][0]
+    got_ranks, got_hosts, body = found[0][0]
+    assert (int(got_ranks), int(got_hosts)) == (ranks, hosts), found[0][0]
     rings = {}
     for part in body.split("; "):
         name, kinds = part.split(": ", 1)
@@ -156,7 +158,7 @@ def test_fit_three_hosts_matches_single_process(make_hosts, tmp_path):
         assert info["transport"] == "grpc", info
         npz = np.load(os.path.join(out, f"fit-{w.rank}.npz"))
         results.append([npz[f"arr_{i}"] for i in range(len(npz.files))])
-    assert job_links(workers) == {"ring": {(0, 1): "grpc", (1, 2): "grpc", (2, 0): "grpc"}}
+    assert job_links(workers, 3, 3) == {"ring": {(0, 1): "grpc", (1, 2): "grpc", (2, 0): "grpc"}}
     for r in (1, 2):  # identical on every worker
         for i, (a, b) in enumerate(zip(results[0], results[r])):
             np.testing.assert_array_equal(a, b, err_msg=f"weight {i}: rank {r} differs from rank 0")
@@ -209,7 +211,7 @@ def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path, p
         want["host rings"] = {(g[i], g[(i + 1) % len(g)]): local for g in groups if len(g) > 1 for i in range(len(g))}
         remote = "tcp" if transport == "tcp" else "grpc"
         want["leader ring"] = {(leaders[i], leaders[(i + 1) % len(leaders)]): remote for i in range(len(leaders))}
-    assert job_links(workers) == want
+    assert job_links(workers, size, len(groups)) == want
 
 
 # -- 2: a host's link goes down --------------------------------------------------------------------------
