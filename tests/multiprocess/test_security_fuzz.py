@@ -170,12 +170,14 @@ def test_no_token_wrong_token_and_fuzzed_requests_are_rejected_while_a_job_runs(
             assert len(nonce) == socket_transport.NONCE_BYTES  # a fresh challenge every time
             if i % 3 == 2:  # a hello recorded from an earlier connection (replay) is refused too
                 s.sendall(socket_transport.HELLO.pack(socket_transport.HELLO_MAGIC, 0, 0,
-                                                       socket_transport._mac(TOKEN, 0, b"x" * len(nonce))))
+                                                       socket_transport._mac(TOKEN, 0, b"x" * len(nonce)),
+                                                       b"c" * socket_transport.NONCE_BYTES))
             elif i % 2:
                 s.sendall(bytes(rng.getrandbits(8) for _ in range(socket_transport.HELLO.size)))
             else:
                 s.sendall(socket_transport.HELLO.pack(socket_transport.HELLO_MAGIC, 0, 0,
-                                                       socket_transport._mac("wrong", 0, nonce)))
+                                                       socket_transport._mac("wrong", 0, nonce),
+                                                       b"c" * socket_transport.NONCE_BYTES))
             try:
                 s.sendall(frame)
                 closed += s.recv(1) == b""  # the server hung up without a byte

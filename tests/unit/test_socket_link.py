@@ -266,3 +266,63 @@ def test_connections_beyond_the_pending_hello_cap_are_closed_at_once(monkeypatch
         again.close()
     finally:
         srv.stop()
+
+
+def _impostor(name, answer):
+    """A Unix-socket server that is not of the job: it challenges, reads the hello, then ``answer``s."""
+    import threading
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind("\0" + name)
+    lst.listen(4)
+    seen = []
+
+    def serve():
+        conn, _ = lst.accept()
+        with conn:
+            conn.settimeout(5)
+            conn.sendall(b"n" * S.NONCE_BYTES)
+            hello = S._recv_exact(conn, S.HELLO.size)
+            seen.append(hello)
+            if answer == "garbage":
+                conn.sendall(b"p" * S.PROOF_BYTES)
+            if answer != "hang-up":
+                try:
+                    seen.append(conn.recv(1))  # anything sent after the handshake: b"" if the client hung up
+                except OSError:
+                    seen.append(b"")
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return lst, t, seen
+
+
+@pytest.mark.parametrize("answer", ["garbage", "hang-up"])
+def test_a_client_sends_nothing_to_a_server_that_cannot_prove_it_holds_the_job_token(answer):
+    """A process that took the port (a neighbour died, say) must not receive the job's data."""
+    from tf_commstrategy.errors import RendezvousError
+    name = f"tfcs-test-{time.monotonic_ns()}"
+    lst, t, seen = _impostor(name, answer)
+    try:
+        with pytest.raises(RendezvousError, match="holds this job's token") as e:
+            S.SocketSender.connect(f"unix:{name}", "token", 1, 0, timeout=5)
+        assert ("did not prove" if answer == "garbage" else "closed the connection instead") in str(e.value)
+        t.join(10)
+        assert seen[0] is not None and len(seen[0]) == S.HELLO.size
+        if answer == "garbage":
+            assert seen[1] == b""  # the client hung up without sending a frame
+    finally:
+        lst.close()
+
+
+def test_the_servers_proof_names_its_rank_and_ring():
+    """The proof of rank 0's server does not pass for rank 1's, nor for another ring's, nor another job's."""
+    srv = S.SocketServer(0, 3, "unix", None, "token", str)
+    try:
+        from tf_commstrategy.errors import RendezvousError
+        ok = S.SocketSender.connect(srv.address, "token", 0, 2, timeout=5, ring_id=1)
+        ok._sock.close()
+        with pytest.raises(RendezvousError, match="did not prove"):
+            S.SocketSender.connect(srv.address, "token", 1, 2, timeout=5)  # expects rank 1 behind the address
+        assert S._proof("token", 0, 1, b"c" * 16, b"s" * 16) != S._proof("token", 0, 2, b"c" * 16, b"s" * 16)
+        assert S._proof("token", 0, 1, b"c" * 16, b"s" * 16) != S._proof("other", 0, 1, b"c" * 16, b"s" * 16)
+    finally:
+        srv.stop()

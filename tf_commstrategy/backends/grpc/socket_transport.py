@@ -13,10 +13,13 @@ GIL dominated mid-size messages):
 * receive (``SocketReceiver``): the ring's ``take`` reads the next frame from the left neighbour's
   connection straight into a payload buffer that is reused from frame to frame (no allocation, no
   copy), while polling the outbound socket too, so two neighbours sending to each other never block;
-* a connection starts with a challenge: the server sends a fresh random nonce, the client answers
-  with a hello (magic, rank, ring id, HMAC-SHA256(token, magic + rank + ring id + nonce)), so the
-  token never crosses the socket and a recorded hello cannot be replayed; a wrong answer closes the
-  connection, logged once. An authenticated connection is handed to the ring it names; a frame other
+* a connection starts with a challenge both ways: the server sends a fresh random nonce, the client
+  answers with a hello (magic, rank, ring id, HMAC-SHA256(token, magic + rank + ring id + nonce) and
+  a fresh nonce of its own), and the server proves it holds the token too (HMAC-SHA256(token, server
+  magic + its rank + ring id + both nonces)) before the client sends any data. The token never crosses
+  the socket, a recorded hello or proof cannot be replayed, and a process that is not of the job (one
+  that took the port, say) learns nothing; a wrong answer closes the connection (logged once by the
+  server; a raised ``RendezvousError`` on the client). An authenticated connection is handed to the ring it names; a frame other
   than the one the ring expects, or larger than ``MAX_FRAME_BYTES``, fails the collective; an EOF
   without the BYE frame reports the peer as lost.
 
@@ -48,9 +51,12 @@ from . import wire
 
 log = logging.getLogger("tf_commstrategy")
 
-HELLO = struct.Struct("<8sII32s")  # magic, sender rank, ring id, HMAC-SHA256(token, magic + rank + ring + nonce)
-HELLO_MAGIC = b"TFCSSOCK"
 NONCE_BYTES = 16
+#: magic, sender rank, ring id, HMAC-SHA256(token, magic + rank + ring + server nonce), client nonce
+HELLO = struct.Struct(f"<8sII32s{NONCE_BYTES}s")
+HELLO_MAGIC = b"TFCSSOCK"
+PROOF_MAGIC = b"TFCSSRVR"  # the server's answer: HMAC-SHA256(token, this + its rank + ring + client + server nonce)
+PROOF_BYTES = 32
 HELLO_TIMEOUT_S = 30.0  # a connection must complete its hello within this long, all bytes together
 MAX_PENDING_HELLOS = 32  # connections in their hello at once (above: closed at once; the ring needs 2)
 SLICE_S = 0.05  # longest poll between checks of the abort state and the deadline
@@ -61,6 +67,12 @@ MAX_FRAME_BYTES = 1 << 30  # one ring chunk (TFCS_CHUNK_BYTES, 4 MiB by default)
 def _mac(token: Optional[str], rank: int, nonce: bytes, ring_id: int = 0) -> bytes:
     key = (token or "").encode()
     return hmac.new(key, HELLO_MAGIC + struct.pack("<II", rank, ring_id) + nonce, hashlib.sha256).digest()
+
+
+def _proof(token: Optional[str], server_rank: int, ring_id: int, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    key = (token or "").encode()
+    return hmac.new(key, PROOF_MAGIC + struct.pack("<II", server_rank, ring_id) + client_nonce + server_nonce,
+                    hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> Optional[bytearray]:
@@ -164,12 +176,13 @@ class SocketServer:
             if hello is None:
                 conn.close()
                 return
-            magic, sender, ring_id, mac = HELLO.unpack(bytes(hello))
+            magic, sender, ring_id, mac, theirs = HELLO.unpack(bytes(hello))
             if magic != HELLO_MAGIC or sender >= self.world_size or not hmac.compare_digest(
                     mac, _mac(self._token, sender, nonce, ring_id)):
                 self._log_bad("bad hello or job token")
                 conn.close()
                 return
+            conn.sendall(_proof(self._token, self.rank, ring_id, theirs, nonce))  # this server is of the job too
         except OSError:
             conn.close()
             return
@@ -296,7 +309,19 @@ class SocketSender:
                 raise RendezvousError(f"the data server of rank {peer_rank} at {address} closed the connection "
                                       f"before its challenge", rank=my_rank, address=address,
                                       fix=f"rank {peer_rank} probably died while starting; see its log")
-            sock.sendall(HELLO.pack(HELLO_MAGIC, my_rank, ring_id, _mac(token, my_rank, bytes(nonce), ring_id)))
+            mine = secrets.token_bytes(NONCE_BYTES)
+            sock.sendall(HELLO.pack(HELLO_MAGIC, my_rank, ring_id, _mac(token, my_rank, bytes(nonce), ring_id), mine))
+            proof = _recv_exact(sock, PROOF_BYTES, time.monotonic() + timeout)
+            if proof is None or not hmac.compare_digest(bytes(proof), _proof(token, peer_rank, ring_id, mine,
+                                                                              bytes(nonce))):
+                raise RendezvousError(
+                    f"the data server at {address}, which should be rank {peer_rank}'s, "
+                    f"{'closed the connection instead of proving' if proof is None else 'did not prove'} that it "
+                    f"holds this job's token (expected an HMAC of the job token over both nonces)",
+                    rank=my_rank, address=address,
+                    fix=f"rank {peer_rank} may have died and its port been taken by another process, or ranks of "
+                        "different jobs share a coordinator; restart the job, and use gRPC with TLS on networks "
+                        "you do not trust")
         except BaseException as e:
             if sock is not None:
                 sock.close()
