@@ -2,6 +2,7 @@
 or a missing compiler says (the strategy then keeps the Python path; TFCS_NATIVE=1 turns that into an error)."""
 
 import os
+import time
 
 from tf_commstrategy.tf import native_build as NB
 
@@ -29,7 +30,8 @@ def test_a_failing_build_says_so_and_leaves_no_partial_file(monkeypatch, tmp_pat
     monkeypatch.setenv("TFCS_NATIVE_CACHE", str(cache))
     lib, why = NB._build_and_load()
     assert lib is None and "the build failed" in why and "no such header" in why
-    assert os.listdir(cache) == [".build.lock"]  # the private build file is gone, nothing half-written is cached
+    left = os.listdir(cache)  # the private build file is gone, nothing half-written is cached: only the lock
+    assert len(left) == 1 and left[0].startswith(".build-") and left[0].endswith(".lock"), left
 
 
 def test_the_build_command_holds_tensorflows_flags_and_the_key_changes_with_them():
@@ -51,45 +53,67 @@ def test_a_cached_library_another_user_could_have_written_is_not_loaded(tmp_path
     assert NB._trusted(str(planted)) is None
 
 
-def test_waiting_for_another_processs_build_has_a_deadline(monkeypatch, tmp_path):
-    """A build lock held past any build's length (a hung or stopped process) is a reason, not a hang."""
-    import fcntl
-    import threading
+def _fake_toolchain(monkeypatch, tmp_path):
+    """A compiler that is never run to build (``_build`` is replaced) and a loader that loads nothing:
+    the lock's logic alone, in a cache of this test's own."""
+    import tensorflow as tf
     cxx = tmp_path / "cxx"
-    cxx.write_text("#!/bin/sh\nexit 1\n")
+    cxx.write_text("#!/bin/sh\necho fake 1.0\n")
     cxx.chmod(0o755)
     monkeypatch.setenv("CXX", str(cxx))
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     monkeypatch.setenv("TFCS_NATIVE_CACHE", str(cache))
-    monkeypatch.setattr(NB, "LOCK_WAIT_S", 0.5)
+    loaded = object()
+    monkeypatch.setattr(tf, "load_op_library", lambda p: loaded)
+    built = []
+
+    def build(compiler, folder, target):
+        with open(target, "wb") as f:
+            f.write(b"a library")
+        os.chmod(target, 0o755)
+        built.append(target)
+        return ""
+    monkeypatch.setattr(NB, "_build", build)
+    return cache, loaded, built
+
+
+def _in_thread(fn):
+    import threading
     out = []
-    with open(cache / ".build.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # another process is "building"
-        t = threading.Thread(target=lambda: out.append(NB._build_and_load()), daemon=True)
-        t.start()
-        t.join(20)
-        assert not t.is_alive(), "waited for the build lock without a deadline"
-    lib, why = out[0]
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "waited on the build lock without a deadline"
+    return out[0]
+
+
+def test_waiting_for_another_processs_build_has_a_deadline(monkeypatch, tmp_path):
+    """A build lock held past any build's length (a hung or stopped process) is a reason, not a hang."""
+    import fcntl
+    cache, _loaded, built = _fake_toolchain(monkeypatch, tmp_path)
+    monkeypatch.setattr(NB, "LOCK_WAIT_S", 0.5)
+    lib, why = _in_thread(NB._build_and_load)  # builds: the lock file of this key is there now
+    assert why == "" and len(built) == 1
+    os.unlink(built[0])
+    (lock_name,) = [n for n in os.listdir(cache) if n.endswith(".lock")]
+    with open(cache / lock_name, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process is "building" this key
+        t0 = time.monotonic()
+        lib, why = _in_thread(NB._build_and_load)
+        assert time.monotonic() - t0 < 5
     assert lib is None and "held the build lock" in why and "fuser" in why and "TFCS_NATIVE_CACHE" in why, why
+    assert len(built) == 1  # it did not build behind the holder's back
 
 
-def test_a_library_built_already_is_loaded_without_the_build_lock(monkeypatch):
+def test_a_library_built_already_is_loaded_without_the_build_lock(monkeypatch, tmp_path):
     """The lock is for builders only: a process that finds the op built does not wait on it."""
     import fcntl
-    import threading
-    import pytest
-    if NB._compiler() is None:
-        pytest.skip("no C++ compiler here")
-    lib, why = NB._build_and_load()  # in the suite's cache: built once per machine (~10 s), else found
-    assert lib is not None, why
-    monkeypatch.setattr(NB, "_build", lambda *a: "must not build again")
-    out = []
-    with open(os.path.join(NB.cache_dir(), ".build.lock"), "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        t = threading.Thread(target=lambda: out.append(NB._build_and_load()), daemon=True)
-        t.start()
-        t.join(20)
-        assert not t.is_alive(), "a process that found the op built waited for the build lock"
-    lib2, why2 = out[0]
-    assert lib2 is not None and why2 == "", why2
+    cache, loaded, built = _fake_toolchain(monkeypatch, tmp_path)
+    assert _in_thread(NB._build_and_load) == (loaded, "")
+    (lock_name,) = [n for n in os.listdir(cache) if n.endswith(".lock")]
+    monkeypatch.setattr(NB, "LOCK_WAIT_S", 0.2)
+    with open(cache / lock_name, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert _in_thread(NB._build_and_load) == (loaded, "")
+    assert len(built) == 1

@@ -187,3 +187,54 @@ def test_a_rank_that_cannot_publish_its_part_carries_on(caplog):
     with caplog.at_level(logging.DEBUG, logger="tf_commstrategy"):
         R.publish(_SlowStore(fail_set=True), 3, 4, 300.0, {"links": [], "problems": []}, 1)
     assert "rank 3: could not publish" in caplog.text
+
+
+def test_one_cause_found_with_different_free_space_is_merged_and_many_causes_are_capped():
+    n = 4
+    why = "cannot reserve 17 MiB in /dev/shm ([Errno 28] No space left on device; {} MiB free)"
+    reports = _reports(*[[(0, (r + 1) % n, "shm", "unix")] for r in range(n)],
+                       problems={r: [("shared-memory links", why.format(3 + r))] for r in range(n)})
+    text = R.warning(reports)
+    assert ("ranks 0, 1, 2, 3, shared-memory links: cannot reserve 17 MiB in /dev/shm ([Errno 28] No space "
+            "left on device)") in text, text
+    for rep in reports:
+        rep["problems"] = [["shared-memory links", why.format(9)]]
+    assert "9 MiB free" in R.warning(reports)  # one text on every rank: shown whole
+    n = 30
+    reports = _reports(*[[(0, (r + 1) % n, "shm", "unix")] for r in range(n)],
+                       problems={r: [("shared-memory links", f"cannot map rank {(r + 1) % n}'s segments")]
+                                 for r in range(n)})
+    text = R.warning(reports)
+    assert text.count("cannot map") == R.LIST_AT_MOST and "; +22 more causes)" in text, text
+    assert len(text) < 1000, len(text)
+
+
+def test_buffers_off_on_some_ranks_only_are_named_with_their_fix():
+    """TFCS_SHM_FUSION_BYTES=0 on rank 1 only: every rank drops the buffers, no rank finds a cause."""
+    reports = _reports([(0, 1, "shm", "shm")], [(0, 2, "shm", "shm")], [(0, 0, "shm", "shm")])
+    for r, rep in enumerate(reports):
+        rep["fusion"] = "off" if r == 1 else "dropped"
+    text = R.warning(reports)
+    assert "rank 1, shared all-reduce buffers: turned off (TFCS_SHM_FUSION_BYTES=0) there but not on the other" \
+           in text, text
+    assert text.endswith("the all-reduce uses the ring instead of the shared buffers; to fix it, set the same "
+                         "TFCS_SHM_FUSION_BYTES on every rank"), text
+    assert "--shm-size" not in text and "neighbour's segments" not in text
+
+
+def test_buffers_dropped_for_a_cause_on_a_rank_that_did_not_report():
+    reports = _reports([(0, 1, "shm", "shm")], [(0, 2, "shm", "shm")], [(0, 0, "shm", "shm")])
+    for rep in reports:
+        rep["fusion"] = "dropped"
+    reports[2] = None
+    text = R.warning(reports)
+    assert "(the cause was found on a rank that did not report)" in text, text
+    assert text.endswith("to fix it, see the log of the rank that did not report"), text
+
+
+def test_a_report_of_the_wrong_shape_counts_as_missing():
+    good = {"links": [[0, 1, "shm", "shm"]], "problems": [], "fusion": None}
+    assert R._valid(good)
+    for bad in ({"links": [["0", 1, "shm", "shm"]], "problems": []}, {"links": [], "problems": [[1, 2]]},
+                {"links": [], "problems": [], "fusion": "maybe"}, [good], None):
+        assert not R._valid(bad), bad

@@ -5,9 +5,10 @@ The op is compiled once per machine and TensorFlow version with the C++ compiler
 (``$TFCS_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/tf_commstrategy`` or ``~/.cache/tf_commstrategy``).
 The cached file's name holds a hash of the source, the TensorFlow version, the compiler and the
 flags and the compiler's version, so a change of any of them builds anew; one rank builds while the
-others wait on a lock file (at most ``LOCK_WAIT_S``), into a private file renamed into place, and a
-cached file that another user owns or could have written is not loaded. No compiler, or a build that fails: ``library()`` says why,
-and the strategy keeps the ``tf.numpy_function`` path (``TFCS_NATIVE=1`` makes that an error).
+others wait on its lock file (at most ``LOCK_WAIT_S``), into a private file renamed into place, and a
+cached file that another user owns or could have written is not loaded. No compiler, or a build that
+fails: ``library()`` says why, and the strategy keeps the ``tf.numpy_function`` path (``TFCS_NATIVE=1``
+makes that an error).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def _build_and_load() -> Tuple[object, str]:
     target = os.path.join(folder, f"shm_allreduce-{key}.so")
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        lock = open(os.path.join(folder, ".build.lock"), "a")
+        lock = open(os.path.join(folder, f".build-{key}.lock"), "a")  # per key: builds of others never queue it
     except OSError as e:
         return None, f"cannot write the build cache {folder} ({e}; set TFCS_NATIVE_CACHE)"
     with lock:

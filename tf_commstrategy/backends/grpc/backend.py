@@ -131,7 +131,10 @@ class GrpcRingBackend(Backend):
                 self._leader_ring = links.RingLinks(self, 2, leaders, requested)
         rings = (self._ring, self._host_ring, self._leader_ring)
         own = [r.own_shm_problem() for r in rings if r is not None and r.own_shm_problem()]
-        problems[:0] = [("shared-memory links", why) for why in dict.fromkeys(own)]  # each cause once, in ring order
+        distinct = {}  # each cause once, in ring order (the rings' texts differ only in the free space seen)
+        for why in own:
+            distinct.setdefault(setup_report.cause_key(why), why)
+        problems[:0] = [("shared-memory links", why) for why in distinct.values()]
         setup_report.publish(g.store, self.rank, self.size, g.rendezvous_timeout,
                              setup_report.my_facts(rings, problems, fusion_state), len(hosts))
 

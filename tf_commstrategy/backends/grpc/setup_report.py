@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -71,6 +72,29 @@ def _kinds_text(links: List[Tuple[int, int, str]]) -> str:
     return ", ".join(parts)
 
 
+#: The part of a cause that differs from rank to rank for one cause (merged causes leave it out).
+_FREE = re.compile(r"; \d+ MiB free\)")
+
+
+def cause_key(why: str) -> str:
+    """What stays of a cause when it is merged with the same cause found elsewhere (no free space)."""
+    return _FREE.sub(")", why)
+
+
+def _causes_text(causes: Dict[Tuple[str, str], List[int]]) -> str:
+    """One clause per cause, the ranks that found it named together; free space, which differs from rank
+    to rank, is left out of a cause that several ranks found; at most ``LIST_AT_MOST`` clauses."""
+    merged: Dict[Tuple[str, str], Tuple[List[int], List[str]]] = {}
+    for (what, why), ranks in causes.items():
+        ranks_texts = merged.setdefault((what, cause_key(why)), ([], []))
+        ranks_texts[0].extend(ranks)
+        ranks_texts[1].append(why)
+    said = [f"{_ranks_text(ranks)}, {what}: {texts[0] if len(set(texts)) == 1 else key}"
+            for (what, key), (ranks, texts) in merged.items()]
+    more = f"; +{len(said) - LIST_AT_MOST} more causes" if len(said) > LIST_AT_MOST else ""
+    return "; ".join(said[:LIST_AT_MOST]) + more
+
+
 def _present(reports: Sequence[Optional[dict]]):
     return [(rank, rep) for rank, rep in enumerate(reports) if rep is not None]
 
@@ -104,9 +128,17 @@ def warning(reports: Sequence[Optional[dict]]) -> str:
                or any(what == "shared all-reduce buffers" for what, _why in causes))
     if not causes and not fell and not dropped:
         return ""
-    said = [f"{_ranks_text(ranks)}, {what}: {why}" for (what, why), ranks in causes.items()]
-    text = "shared memory unavailable (" + ("; ".join(said) or "a rank could not map a neighbour's segments") + ")"
-    consequences, fixes = [], [SHM_FIX]
+    found = dict(causes)  # the causes the ranks found themselves
+    fixes = [SHM_FIX] if found or fell else ["see the log of the rank that did not report"]
+    off = [rank for rank, rep in present if rep.get("fusion") == "off"]
+    if dropped and off:  # TFCS_SHM_FUSION_BYTES=0 on some ranks only: every rank drops the buffers
+        causes[("shared all-reduce buffers",
+                "turned off (TFCS_SHM_FUSION_BYTES=0) there but not on the other ranks")] = off
+        fixes = ["set the same TFCS_SHM_FUSION_BYTES on every rank"] + (fixes if found or fell else [])
+    unknown = ("a rank could not map a neighbour's segments" if fell else
+               "the cause was found on a rank that did not report")
+    text = "shared memory unavailable (" + (_causes_text(causes) or unknown) + ")"
+    consequences = []
     if fell:
         count = sum(len(v) for v in fell.values())
         if len(fell) == 1 and 0 in fell:
@@ -118,16 +150,22 @@ def warning(reports: Sequence[Optional[dict]]) -> str:
         fixes.append("set TFCS_TRANSPORT=unix to choose them without this warning")
     if dropped:
         consequences.append("the all-reduce uses the ring instead of the shared buffers")
-        if any(what == "shared all-reduce buffers" for what, _why in causes):
+        if any(what == "shared all-reduce buffers" for what, _why in found):
             fixes.append("set a smaller TFCS_SHM_FUSION_BYTES (0 turns the buffers off)")
     return (f"tf_commstrategy: {text}: "
             f"{' and '.join(consequences) or 'slower data paths are used'}; to fix it, {', or '.join(fixes)}")
 
 
 def _valid(rep) -> bool:
+    def link(x):
+        return (isinstance(x, list) and len(x) == 4 and all(isinstance(v, int) for v in x[:2])
+                and all(isinstance(v, str) for v in x[2:]))
+
+    def problem(p):
+        return isinstance(p, list) and len(p) == 2 and all(isinstance(v, str) for v in p)
     return (isinstance(rep, dict) and isinstance(rep.get("links"), list) and isinstance(rep.get("problems"), list)
-            and all(isinstance(x, list) and len(x) == 4 for x in rep["links"])
-            and all(isinstance(p, list) and len(p) == 2 for p in rep["problems"]))
+            and all(map(link, rep["links"])) and all(map(problem, rep["problems"]))
+            and rep.get("fusion") in FUSION_STATES + (None,))
 
 
 def publish(store, rank: int, size: int, timeout: float, facts: dict, hosts: int) -> None:
@@ -138,7 +176,7 @@ def publish(store, rank: int, size: int, timeout: float, facts: dict, hosts: int
     """
     try:
         store.set(f"links/report/{rank}", json.dumps(facts))
-    except (TfcsError, OSError) as e:
+    except (TfcsError, OSError, ValueError) as e:
         log.debug("tf_commstrategy rank %d: could not publish its part of the data-path report: %s", rank, e)
     if rank != 0:
         return

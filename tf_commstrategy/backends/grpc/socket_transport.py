@@ -19,9 +19,9 @@ GIL dominated mid-size messages):
   magic + its rank + ring id + both nonces)) before the client sends any data. The token never crosses
   the socket, a recorded hello or proof cannot be replayed, and a process that is not of the job (one
   that took the port, say) learns nothing; a wrong answer closes the connection (logged once by the
-  server; a raised ``RendezvousError`` on the client). An authenticated connection is handed to the ring it names; a frame other
-  than the one the ring expects, or larger than ``MAX_FRAME_BYTES``, fails the collective; an EOF
-  without the BYE frame reports the peer as lost.
+  server; a raised ``RendezvousError`` on the client). An authenticated connection is handed to the
+  ring it names; a frame other than the one the ring expects, or larger than ``MAX_FRAME_BYTES``,
+  fails the collective; an EOF without the BYE frame reports the peer as lost.
 
 Every wait polls in slices of at most ``SLICE_S``, checking the abort state (peer lost elsewhere,
 timeout, mismatch reported over gRPC) and the deadline. Unix sockets live in the abstract namespace
