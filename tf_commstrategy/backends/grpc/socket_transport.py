@@ -64,15 +64,20 @@ LENGTH = struct.Struct("<Q")
 MAX_FRAME_BYTES = 1 << 30  # one ring chunk (TFCS_CHUNK_BYTES, 4 MiB by default) is far smaller
 
 
+def _hmac(token: Optional[str], magic: bytes, rank: int, ring_id: int, *nonces: bytes) -> bytes:
+    """HMAC-SHA256 with the job token over a role's magic, a rank, a ring id and nonces."""
+    msg = magic + struct.pack("<II", rank, ring_id) + b"".join(nonces)
+    return hmac.new((token or "").encode(), msg, hashlib.sha256).digest()
+
+
 def _mac(token: Optional[str], rank: int, nonce: bytes, ring_id: int = 0) -> bytes:
-    key = (token or "").encode()
-    return hmac.new(key, HELLO_MAGIC + struct.pack("<II", rank, ring_id) + nonce, hashlib.sha256).digest()
+    """The client's answer to the server's nonce."""
+    return _hmac(token, HELLO_MAGIC, rank, ring_id, nonce)
 
 
 def _proof(token: Optional[str], server_rank: int, ring_id: int, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    key = (token or "").encode()
-    return hmac.new(key, PROOF_MAGIC + struct.pack("<II", server_rank, ring_id) + client_nonce + server_nonce,
-                    hashlib.sha256).digest()
+    """The server's answer to the client's nonce (bound to its own)."""
+    return _hmac(token, PROOF_MAGIC, server_rank, ring_id, client_nonce, server_nonce)
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> Optional[bytearray]:
