@@ -86,8 +86,11 @@ def matrix_worker(rank, size, seed):
 # pieces of 4 KiB), the ring over shared memory, unix sockets, gRPC, opt-in raw TCP.
 NO_BUFFERS = "shm-ring"  # transport "auto" with the shared all-reduce buffers off (TFCS_SHM_FUSION_BYTES=0)
 SMALL_BUFFERS = "shm-4k"  # ... with 4 KiB buffers, so every large all-reduce goes in many pieces
-TRANSPORTS = [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (3, SMALL_BUFFERS), (3, NO_BUFFERS),
-              (3, "unix"), (2, "grpc"), (3, "grpc"), (3, "tcp")]
+# World sizes 2-4 on every transport: a 2-rank ring's two links go to the same peer; 3 ranks: an odd
+# ring; 4: an even ring of more than one hop (and, for shared memory, more ranks than cores here).
+TRANSPORTS = [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (3, SMALL_BUFFERS),
+              (2, NO_BUFFERS), (3, NO_BUFFERS), (4, NO_BUFFERS), (2, "unix"), (3, "unix"), (4, "unix"),
+              (2, "grpc"), (3, "grpc"), (4, "grpc"), (2, "tcp"), (3, "tcp"), (4, "tcp")]
 
 
 def transport_env(transport):
