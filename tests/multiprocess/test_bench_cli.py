@@ -64,6 +64,29 @@ def test_bench_compares_with_tf_ring(tmp_path):
     assert "tfcs/tf-ring" in stdout
 
 
+def test_bench_interleaved_with_tf_ring_in_the_same_processes(tmp_path):
+    """--interleave: tfcs and TF's RING all-reduce in the same two processes, taking turns in rounds; each
+    peer row carries one ratio per round and the table their median and range."""
+    stdout, data = _bench(tmp_path, "--compare", "tf-ring", "--interleave", "--rounds", "3")
+    assert data["interleaved_rounds"] == 3 and set(data["results"]) == {"tfcs", "tf-ring"}
+    for nbytes, row in data["results"]["tf-ring"].items():
+        ratios = row["round_ratios"]
+        assert len(ratios) == 3 and all(r > 0 for r in ratios)
+        assert row["ratio"] == sorted(ratios)[1]
+        assert data["results"]["tfcs"][nbytes]["iters"] == row["iters"] >= 9  # 3 rounds of at least 3 calls
+    assert "the peers in the same processes, 3 rounds in turn" in stdout
+    assert "| size | tfcs time | algbw GB/s | busbw GB/s | tf-ring time | tfcs/tf-ring | tfcs/tf-ring per round |" \
+        in stdout
+
+
+def test_bench_interleaved_with_gloo(tmp_path):
+    pytest.importorskip("torch")
+    stdout, data = _bench(tmp_path, "--compare", "gloo", "--interleave", "--rounds", "2", "--transport", "tcp")
+    assert set(data["results"]) == {"tfcs", "gloo"}
+    assert all(len(row["round_ratios"]) == 2 for row in data["results"]["gloo"].values())
+    assert "transport tcp" in stdout
+
+
 def test_bench_nccl_runs_without_tensorflow_on_the_fake_gpu(tmp_path):
     """`tfcs-bench --backend nccl` as a GPU host without TensorFlow runs it: every worker gets the fake
     GPU of tests/fakegpu (through sitecustomize) and an import of tensorflow fails."""

@@ -107,3 +107,72 @@ def test_ctrl_c_ends_the_benchmark_instead_of_running_the_peers(monkeypatch, cod
     monkeypatch.setattr(cli.launcher, "run", lambda argv: calls.append(argv) or code)
     assert cli.main(["-np", "2", "--sizes", "8", "--compare", "tf-ring"]) == code
     assert len(calls) == 1  # tf-ring was not started after tfcs was interrupted
+
+
+class FakeSession:
+    """An implementation whose every call takes ``cost`` seconds of the fake clock; it notes each call."""
+
+    def __init__(self, name, clock, cost, log):
+        self.name, self.clock, self.cost, self.log = name, clock, cost, log
+
+    def calls(self, nbytes, n):
+        def call():
+            self.log.append((self.name, nbytes))
+            self.clock.now += self.cost
+        return call, None
+
+
+def test_interleaved_rounds_take_turns_in_alternating_order(clock):
+    import argparse
+    log = []
+    sessions = {"tfcs": FakeSession("tfcs", clock, 1e-3, log), "gloo": FakeSession("gloo", clock, 4e-3, log)}
+    args = argparse.Namespace(sizes=[8, 1 << 20], budget=0.02, gap_s=0.0, rounds=4)
+    got = workers.run_interleaved(sessions, args)
+    for nbytes in args.sizes:
+        k = workers.per_round_calls(workers.iterations(nbytes, args.budget), args.rounds)
+        assert got["tfcs"][nbytes] == pytest.approx([1e-3 + TICK] * (4 * k))
+        assert got["gloo"][nbytes] == pytest.approx([4e-3 + TICK] * (4 * k))
+        # the calls of one size, as runs of one implementation: rounds 1 and 3 go tfcs then gloo, rounds 2
+        # and 4 gloo then tfcs, so consecutive rounds meet in a run of the same one
+        blocks = []
+        for name, size in log:
+            if size == nbytes and (not blocks or blocks[-1][0] != name):
+                blocks.append([name, 0])
+            if size == nbytes:
+                blocks[-1][1] += 1
+        assert [b[0] for b in blocks] == ["tfcs", "gloo", "tfcs", "gloo", "tfcs"]
+        warm = max(3, k // 10)  # the first round's usual warm-up, one untimed call in each later block
+        assert [b[1] for b in blocks] == [warm + k, (warm + k) + (1 + k), 2 * (1 + k), 2 * (1 + k), 1 + k]
+
+
+def test_per_round_calls_share_the_budget_and_keep_a_median():
+    assert workers.per_round_calls(600, 6) == 100
+    assert workers.per_round_calls(601, 6) == 101
+    assert workers.per_round_calls(5, 6) == 3
+
+
+def test_round_ratios_are_per_round_medians():
+    from tf_commstrategy.bench.cli import round_ratios
+    mine = [1.0, 2.0, 3.0, 10.0, 10.0, 30.0, 7.0]  # a last round in part: left out
+    theirs = [2.0, 2.0, 9.0, 5.0, 4.0, 6.0]
+    assert round_ratios(mine, theirs, 3) == pytest.approx([2.0 / 2.0, 10.0 / 5.0])
+
+
+def test_an_interleaved_table_reports_the_median_of_the_round_ratios():
+    from tf_commstrategy.bench import cli
+    raw = {"tfcs": {"interleaved": {"rounds": 3, "per_round": {"8": 2}}, "times": {"8": [1, 1, 2, 2, 9, 9]}},
+           "gloo": {"times": {"8": [2, 2, 2, 2, 10, 10]}}}
+    results = {impl: cli.summarize(r, "allreduce", 2) for impl, r in raw.items()}
+    cli.add_round_ratios(results, raw)
+    assert results["gloo"][8]["round_ratios"] == pytest.approx([0.5, 1.0, 0.9])
+    assert results["gloo"][8]["ratio"] == pytest.approx(0.9)
+    text = cli.table(results, [8], "allreduce", 2)
+    # not the ratio of the medians over all calls (2 / 2 = 1.00): the median of the rounds' ratios
+    assert text.splitlines()[-1] == "| 8 B | 2.00 s | 0.000 | 0.000 | 2.00 s | 0.90 | 0.50-1.00 |"
+
+
+def test_rounds_must_be_positive():
+    from tf_commstrategy.bench import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--interleave", "--rounds", "0"])
+    assert e.value.code == 2

@@ -75,28 +75,55 @@ class Interrupted(Exception):
         self.code = code
 
 
-def run_impl(impl: str, args, sizes: List[int]) -> Dict:
+def run_job(impls: List[str], args, sizes: List[int]) -> Dict[str, Dict]:
+    """One job of ``args.np`` fresh processes that runs ``impls``: one implementation, or several taking
+    turns in ``args.rounds`` rounds (``--interleave``). Returns {impl: its results}, {} where it failed.
+
+    Raises:
+      Interrupted: a signal ended the job.
+    """
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
-        os.environ["TFCS_BENCH_PORTS"] = ",".join(map(str, _free_ports(args.np)))
+        # N ports for tf-ring's servers and one more for gloo's rendezvous (both may share a job)
+        os.environ["TFCS_BENCH_PORTS"] = ",".join(map(str, _free_ports(args.np + 1)))
         if args.transport:
             os.environ["TFCS_TRANSPORT"] = args.transport
-        cmd = [sys.executable, "-m", "tf_commstrategy.bench.workers", "--impl", impl, "--op", args.op,
+        cmd = [sys.executable, "-m", "tf_commstrategy.bench.workers", "--impl", ",".join(impls), "--op", args.op,
                "--sizes", ",".join(map(str, sizes)), "--budget", str(args.budget), "--gap-ms", str(args.gap_ms),
-               "--out", out]
-        if impl == "tfcs" and args.backend:
+               "--rounds", str(args.rounds), "--out", out]
+        if "tfcs" in impls and args.backend:
             cmd += ["--backend", args.backend]
-        print(f"tfcs-bench: running {impl} ({args.np} workers)...", file=sys.stderr, flush=True)
+        print(f"tfcs-bench: running {' and '.join(impls)} ({args.np} workers"
+              f"{f', {args.rounds} rounds in turn' if len(impls) > 1 else ''})...", file=sys.stderr, flush=True)
         code = launcher.run(["-np", str(args.np), "--no-prefix"] + cmd)
         if code in _STOPPED_BY:  # Ctrl-C (or SIGTERM / SIGHUP) ended the run: no further jobs
             raise Interrupted(code)
-        if code != 0 or not os.path.exists(out):
-            print(f"tfcs-bench: {impl} failed (exit code {code}); left out of the table", file=sys.stderr)
-            return {}
-        with open(out) as f:
-            raw = json.load(f)
-        raw["times"] = slowest_rank(raw["times"], [f"{out}.rank{r}" for r in range(args.np)])
-        return raw
+        got = {}
+        for impl in impls:
+            path = out if len(impls) == 1 else f"{out}.{impl}"
+            if code != 0 or not os.path.exists(path):
+                print(f"tfcs-bench: {impl} failed (exit code {code}); left out of the table", file=sys.stderr)
+                got[impl] = {}
+                continue
+            with open(path) as f:
+                raw = json.load(f)
+            raw["times"] = slowest_rank(raw["times"], [f"{path}.rank{r}" for r in range(args.np)])
+            got[impl] = raw
+        return got
+
+
+def round_ratios(mine: List[float], theirs: List[float], per_round: int) -> List[float]:
+    """Per round of an interleaved run: the median of tfcs's calls over the median of the peer's.
+
+    Args:
+      mine, theirs: per-call times, round after round, ``per_round`` calls each.
+
+    Returns:
+      One ratio per round both have in full.
+    """
+    rounds = min(len(mine), len(theirs)) // per_round
+    return [statistics.median(mine[r * per_round:(r + 1) * per_round]) /
+            statistics.median(theirs[r * per_round:(r + 1) * per_round]) for r in range(rounds)]
 
 
 def slowest_rank(times: Dict[str, List[float]], rank_files: List[str]) -> Dict[str, List[float]]:
@@ -133,12 +160,35 @@ def summarize(raw: Dict, op: str, n: int) -> Dict[int, Dict[str, float]]:
     return rows
 
 
+def add_round_ratios(results: Dict[str, Dict[int, Dict]], raw: Dict[str, Dict]) -> None:
+    """For an interleaved run: each peer's row gets ``round_ratios`` (tfcs / peer, one per round) and
+    ``ratio``, their median: the figure the table reports, as each round compares calls made moments
+    apart on the same machine state."""
+    mine = raw.get("tfcs", {})
+    if not mine.get("interleaved"):
+        return
+    per_round = mine["interleaved"]["per_round"]
+    for peer, rows in results.items():
+        if peer == "tfcs":
+            continue
+        for nbytes, row in rows.items():
+            k = str(nbytes)
+            if k in mine["times"] and k in raw[peer]["times"]:
+                ratios = round_ratios(mine["times"][k], raw[peer]["times"][k], per_round[k])
+                if ratios:
+                    row["round_ratios"] = ratios
+                    row["ratio"] = statistics.median(ratios)
+
+
 def table(results: Dict[str, Dict[int, Dict]], sizes: List[int], op: str, n: int) -> str:
+    """Markdown: tfcs's median time and bandwidth per size, each peer's median and the ratio. In an
+    interleaved run the ratio is the median of the per-round ratios, their range beside it."""
     impls = list(results)
     peers = [i for i in impls if i != "tfcs"]
+    rounds = any("ratio" in row for p in peers for row in results[p].values())
     head = ["size", "tfcs time", "algbw GB/s", "busbw GB/s"]
     for p in peers:
-        head += [f"{p} time", f"tfcs/{p}"]
+        head += [f"{p} time", f"tfcs/{p}"] + ([f"tfcs/{p} per round"] if rounds else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in sizes:
         me = results.get("tfcs", {}).get(s)
@@ -148,7 +198,13 @@ def table(results: Dict[str, Dict[int, Dict]], sizes: List[int], op: str, n: int
         for p in peers:
             other = results[p].get(s)
             row.append(fmt_time(other["median_s"]) if other else "-")
-            row.append(f"{me['median_s'] / other['median_s']:.2f}" if me and other else "-")
+            if other and "ratio" in other:
+                row.append(f"{other['ratio']:.2f}")
+            else:
+                row.append(f"{me['median_s'] / other['median_s']:.2f}" if me and other else "-")
+            if rounds:
+                rr = (other or {}).get("round_ratios")
+                row.append(f"{min(rr):.2f}-{max(rr):.2f}" if rr else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -193,11 +249,19 @@ def main(argv=None):
     p.add_argument("--gap-ms", type=float, default=0.0,
                    help="keep every rank busy this long before each timed call, as a training step's compute "
                         "does (default 0: back-to-back calls)")
+    p.add_argument("--interleave", action="store_true",
+                   help="run tfcs and the peers in the same processes, taking turns size by size in --rounds "
+                        "rounds; the ratio is the median of the per-round ratios (machine-state drift cancels)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds of an --interleave run (default 6)")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--plot", help="write a PNG plot here")
     args = p.parse_args(argv)
     if args.gap_ms < 0:
         p.error(f"--gap-ms must be 0 or more, got {args.gap_ms}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be 1 or more, got {args.rounds}")
+    if not args.interleave:
+        args.rounds = 1
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     peers = [c for c in args.compare.split(",") if c]
     for c in peers:
@@ -210,20 +274,28 @@ def main(argv=None):
             print("tfcs-bench: torch is not importable, gloo left out (pip install torch==2.13.0)", file=sys.stderr)
             peers.remove("gloo")
     try:
-        raw = {impl: run_impl(impl, args, sizes) for impl in ["tfcs"] + peers}
+        if args.interleave and peers:
+            raw = run_job(["tfcs"] + peers, args, sizes)
+        else:
+            raw = {}
+            for impl in ["tfcs"] + peers:
+                raw.update(run_job([impl], args, sizes))
     except Interrupted as e:
         print(f"tfcs-bench: interrupted (exit code {e.code}); the remaining jobs were not run", file=sys.stderr)
         return e.code
     results = {impl: summarize(r, args.op, args.np) for impl, r in raw.items() if r}
+    add_round_ratios(results, raw)
     info = raw.get('tfcs', {}).get('info', {})
     print(f"\n{args.op}, {args.np} ranks, float32, backend {args.backend}, transport "
           f"{info.get('transport', '?')}, all-reduce {info.get('allreduce', '?')}, calls "
-          f"{f'{args.gap_ms:g} ms apart (ranks busy in between)' if args.gap_ms else 'back to back'}\n")
+          f"{f'{args.gap_ms:g} ms apart (ranks busy in between)' if args.gap_ms else 'back to back'}"
+          f"{f', the peers in the same processes, {args.rounds} rounds in turn' if args.interleave else ''}\n")
     print(table(results, sizes, args.op, args.np))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"op": args.op, "np": args.np, "backend": args.backend, "sizes": sizes, "gap_ms": args.gap_ms,
+                       "interleaved_rounds": args.rounds if args.interleave else None,
                        "results": {k: {str(s): v for s, v in r.items()} for k, r in results.items()}}, f, indent=1)
     if args.plot and results:
         plot(results, sizes, args.op, args.np, args.plot)
