@@ -326,3 +326,41 @@ def test_the_servers_proof_names_its_rank_and_ring():
         assert S._proof("token", 0, 1, b"c" * 16, b"s" * 16) != S._proof("other", 0, 1, b"c" * 16, b"s" * 16)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("cap,fixed", [(212992, False), (4 << 20, True), (None, False)])
+def test_tcp_buffers_are_fixed_only_where_the_kernel_grants_the_whole_size(monkeypatch, cap, fixed):
+    """A stock kernel caps a socket buffer a process sets at 208 KiB, and setting one switches TCP's
+    autotuning off: the buffers are then left to the kernel (they keep their initial sizes here)."""
+    import socket as socketlib
+    from tf_commstrategy.backends.grpc import socket_transport as st
+    monkeypatch.setattr(st, "_core_max", lambda name: cap)
+    plain = socketlib.socket()
+    want_snd, want_rcv = (plain.getsockopt(socketlib.SOL_SOCKET, o) for o in (socketlib.SO_SNDBUF,
+                                                                               socketlib.SO_RCVBUF))
+    plain.close()
+    s = socketlib.socket()
+    try:
+        st._tune(s)
+        got = s.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_SNDBUF), s.getsockopt(socketlib.SOL_SOCKET,
+                                                                                    socketlib.SO_RCVBUF)
+        assert s.getsockopt(socketlib.IPPROTO_TCP, socketlib.TCP_NODELAY) == 1
+    finally:
+        s.close()
+    if fixed:  # the kernel doubles what is set (capped by the real rmem_max/wmem_max of this machine)
+        assert got[0] > want_snd and got[1] > want_rcv
+    else:
+        assert got == (want_snd, want_rcv)
+
+
+def test_unix_sockets_get_the_largest_buffer_the_kernel_allows(monkeypatch):
+    import socket as socketlib
+    from tf_commstrategy.backends.grpc import socket_transport as st
+    monkeypatch.setattr(st, "_core_max", lambda name: 1 << 20)
+    a, b = socketlib.socketpair(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        st._tune(a)
+        assert a.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_SNDBUF) == 2 << 20  # 1 MiB, doubled
+    finally:
+        a.close()
+        b.close()
