@@ -126,10 +126,11 @@ def test_interleaved_rounds_take_turns_in_alternating_order(clock):
     import argparse
     log = []
     sessions = {"tfcs": FakeSession("tfcs", clock, 1e-3, log), "gloo": FakeSession("gloo", clock, 4e-3, log)}
-    args = argparse.Namespace(sizes=[8, 1 << 20], budget=0.02, gap_s=0.0, rounds=4)
+    args = argparse.Namespace(sizes=[8, 1 << 20], budget=0.2, gap_s=0.0, rounds=4)
     got = workers.run_interleaved(sessions, args)
     for nbytes in args.sizes:
-        k = workers.per_round_calls(workers.iterations(nbytes, args.budget), args.rounds)
+        iters = workers.iterations(nbytes, args.budget)
+        k = workers.per_round_calls(iters, args.rounds)
         assert got["tfcs"][nbytes] == pytest.approx([1e-3 + TICK] * (4 * k))
         assert got["gloo"][nbytes] == pytest.approx([4e-3 + TICK] * (4 * k))
         # the calls of one size, as runs of one implementation: rounds 1 and 3 go tfcs then gloo, rounds 2
@@ -141,7 +142,7 @@ def test_interleaved_rounds_take_turns_in_alternating_order(clock):
             if size == nbytes:
                 blocks[-1][1] += 1
         assert [b[0] for b in blocks] == ["tfcs", "gloo", "tfcs", "gloo", "tfcs"]
-        warm = max(3, k // 10)  # the first round's usual warm-up, one untimed call in each later block
+        warm = max(3, iters // 10)  # a job's own warm-up in the first round, one untimed call in each later block
         assert [b[1] for b in blocks] == [warm + k, (warm + k) + (1 + k), 2 * (1 + k), 2 * (1 + k), 1 + k]
 
 
@@ -176,3 +177,27 @@ def test_rounds_must_be_positive():
     with pytest.raises(SystemExit) as e:
         cli.main(["--interleave", "--rounds", "0"])
     assert e.value.code == 2
+
+
+def test_a_failed_interleaved_job_falls_back_to_one_job_each(monkeypatch):
+    from tf_commstrategy.bench import cli
+    jobs = []
+
+    def run_job(impls, args, sizes):
+        jobs.append((list(impls), args.rounds))
+        if len(impls) > 1:
+            return {i: {} for i in impls}  # the shared job failed
+        return {impls[0]: {"times": {"8": [1e-3] * 5}}}
+    monkeypatch.setattr(cli, "run_job", run_job)
+    assert cli.main(["--sizes", "8", "--compare", "tf-ring", "--interleave", "--rounds", "4"]) == 0
+    assert jobs == [(["tfcs", "tf-ring"], 4), (["tfcs"], 1), (["tf-ring"], 1)]
+
+
+def test_interleave_without_a_peer_is_a_plain_run(monkeypatch):
+    from tf_commstrategy.bench import cli
+    jobs = []
+    monkeypatch.setattr(cli, "run_job", lambda impls, args, sizes: jobs.append(list(impls)) or
+                        {impls[0]: {"times": {"8": [1e-3] * 5}}})
+    # tf-ring has no broadcast: it is left out, and tfcs runs alone
+    assert cli.main(["--sizes", "8", "--op", "broadcast", "--compare", "tf-ring", "--interleave"]) == 0
+    assert jobs == [["tfcs"]]
