@@ -332,19 +332,15 @@ def test_the_servers_proof_names_its_rank_and_ring():
 def test_tcp_buffers_are_fixed_only_where_the_kernel_grants_the_whole_size(monkeypatch, cap, fixed):
     """A stock kernel caps a socket buffer a process sets at 208 KiB, and setting one switches TCP's
     autotuning off: the buffers are then left to the kernel (they keep their initial sizes here)."""
-    import socket as socketlib
-    from tf_commstrategy.backends.grpc import socket_transport as st
-    monkeypatch.setattr(st, "_core_max", lambda name: cap)
-    plain = socketlib.socket()
-    want_snd, want_rcv = (plain.getsockopt(socketlib.SOL_SOCKET, o) for o in (socketlib.SO_SNDBUF,
-                                                                               socketlib.SO_RCVBUF))
+    monkeypatch.setattr(S, "_core_max", lambda name: cap)
+    plain = socket.socket()
+    want_snd, want_rcv = (plain.getsockopt(socket.SOL_SOCKET, o) for o in (socket.SO_SNDBUF, socket.SO_RCVBUF))
     plain.close()
-    s = socketlib.socket()
+    s = socket.socket()
     try:
-        st._tune(s)
-        got = s.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_SNDBUF), s.getsockopt(socketlib.SOL_SOCKET,
-                                                                                    socketlib.SO_RCVBUF)
-        assert s.getsockopt(socketlib.IPPROTO_TCP, socketlib.TCP_NODELAY) == 1
+        S._tune(s)
+        got = tuple(s.getsockopt(socket.SOL_SOCKET, o) for o in (socket.SO_SNDBUF, socket.SO_RCVBUF))
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
     finally:
         s.close()
     if fixed:  # the kernel doubles what is set (capped by the real rmem_max/wmem_max of this machine)
@@ -354,16 +350,14 @@ def test_tcp_buffers_are_fixed_only_where_the_kernel_grants_the_whole_size(monke
 
 
 def test_unix_sockets_get_the_largest_buffer_the_kernel_allows(monkeypatch):
-    import socket as socketlib
-    from tf_commstrategy.backends.grpc import socket_transport as st
-    real = st._core_max("wmem_max")
+    real = S._core_max("wmem_max")
     if real is None or real < 64 << 10:
         pytest.skip(f"this kernel's wmem_max ({real}) is below what the test sets")
-    monkeypatch.setattr(st, "_core_max", lambda name: 64 << 10)  # a cap below the 4 MiB asked for
-    a, b = socketlib.socketpair(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    monkeypatch.setattr(S, "_core_max", lambda name: 64 << 10)  # a cap below the 4 MiB asked for
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        st._tune(a)
-        assert a.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_SNDBUF) == 128 << 10  # the cap, doubled
+        S._tune(a)
+        assert a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 128 << 10  # the cap, doubled
     finally:
         a.close()
         b.close()

@@ -167,14 +167,14 @@ def add_round_ratios(results: Dict[str, Dict[int, Dict]], raw: Dict[str, Dict]) 
     mine = raw.get("tfcs", {})
     if not mine.get("interleaved"):
         return
-    per_round = mine["interleaved"]["per_round"]
+    rounds = mine["interleaved"]["rounds"]
     for peer, rows in results.items():
         if peer == "tfcs":
             continue
         for nbytes, row in rows.items():
             k = str(nbytes)
-            if k in mine["times"] and k in raw[peer]["times"]:
-                ratios = round_ratios(mine["times"][k], raw[peer]["times"][k], per_round[k])
+            if k in mine["times"] and k in raw[peer]["times"]:  # each round of a size holds as many calls
+                ratios = round_ratios(mine["times"][k], raw[peer]["times"][k], len(mine["times"][k]) // rounds)
                 if ratios:
                     row["round_ratios"] = ratios
                     row["ratio"] = statistics.median(ratios)
