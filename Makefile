@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(BIN)/tfcs-run -np 2 $(BIN)/python examples/keras_mnist.py
 
 bench: $(STAMP)
-	$(BIN)/tfcs-bench -np 2 --op allreduce --sizes 8,4K,256K,4M,64M,256M --compare tf-ring,gloo \
+	$(BIN)/tfcs-bench -np 2 --op allreduce --sizes 8,4K,256K,4M,64M,256M --compare tf-ring,gloo --interleave \
 		--json bench-results/allreduce.json --plot docs/img/allreduce.png
 
 # The documentation site (MkDocs + Material, API reference from the docstrings) into site/.

@@ -201,3 +201,24 @@ def test_interleave_without_a_peer_is_a_plain_run(monkeypatch):
     # tf-ring has no broadcast: it is left out, and tfcs runs alone
     assert cli.main(["--sizes", "8", "--op", "broadcast", "--compare", "tf-ring", "--interleave"]) == 0
     assert jobs == [["tfcs"]]
+
+
+def test_the_plot_shows_the_tables_ratio_and_the_round_range(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tf_commstrategy.bench import cli
+    raw = {"tfcs": {"interleaved": {"rounds": 3}, "times": {"8": [1, 1, 2, 2, 9, 9], "64": [1, 1, 1, 1, 1, 1]}},
+           "gloo": {"times": {"8": [2, 2, 2, 2, 10, 10]}}}  # gloo has no 64-byte row: left out of the ratio
+    results = {impl: cli.summarize(r, "allreduce", 2) for impl, r in raw.items()}
+    cli.add_round_ratios(results, raw)
+    figures = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    cli.plot(results, [8, 64], "allreduce", 2, str(tmp_path / "p.png"))
+    ratio_axes = figures[0].axes[1]
+    (line,) = [ln for ln in ratio_axes.get_lines() if ln.get_label() == "tfcs / gloo"]
+    assert list(line.get_xdata()) == [8]
+    assert list(line.get_ydata()) == pytest.approx([0.9])  # the median of the rounds, as in the table
+    bars = [c for c in ratio_axes.collections if len(c.get_segments())]
+    assert [list(map(tuple, seg)) for seg in bars[0].get_segments()] == [[(8, 0.5), (8, 1.0)]]

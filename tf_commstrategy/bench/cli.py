@@ -25,7 +25,7 @@ import socket
 import statistics
 import sys
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from ..config import parse_size
 from ..launcher import run as launcher
@@ -180,6 +180,15 @@ def add_round_ratios(results: Dict[str, Dict[int, Dict]], raw: Dict[str, Dict]) 
                     row["ratio"] = statistics.median(ratios)
 
 
+def ratio_of(results: Dict[str, Dict[int, Dict]], peer: str, nbytes: int) -> Optional[float]:
+    """tfcs's time over ``peer``'s at one size, as the table and the plot report it: the median of the
+    per-round ratios in an interleaved run, else the ratio of the two medians (None: a side is missing)."""
+    me, other = results.get("tfcs", {}).get(nbytes), results.get(peer, {}).get(nbytes)
+    if other is not None and "ratio" in other:
+        return other["ratio"]
+    return me["median_s"] / other["median_s"] if me and other else None
+
+
 def table(results: Dict[str, Dict[int, Dict]], sizes: List[int], op: str, n: int) -> str:
     """Markdown: tfcs's median time and bandwidth per size, each peer's median and the ratio. In an
     interleaved run the ratio is the median of the per-round ratios, their range beside it."""
@@ -198,10 +207,8 @@ def table(results: Dict[str, Dict[int, Dict]], sizes: List[int], op: str, n: int
         for p in peers:
             other = results[p].get(s)
             row.append(fmt_time(other["median_s"]) if other else "-")
-            if other and "ratio" in other:
-                row.append(f"{other['ratio']:.2f}")
-            else:
-                row.append(f"{me['median_s'] / other['median_s']:.2f}" if me and other else "-")
+            ratio = ratio_of(results, p, s)
+            row.append(f"{ratio:.2f}" if ratio is not None else "-")
             if rounds:
                 rr = (other or {}).get("round_ratios")
                 row.append(f"{min(rr):.2f}-{max(rr):.2f}" if rr else "-")
@@ -218,8 +225,14 @@ def plot(results, sizes, op, n, path):
         xs = [s for s in sizes if s in rows]
         ax1.loglog(xs, [rows[s]["median_s"] * 1e3 for s in xs], marker="o", label=impl)
         if impl != "tfcs" and "tfcs" in results:
-            ax2.semilogx(xs, [results["tfcs"][s]["median_s"] / rows[s]["median_s"] for s in xs
-                              if s in results["tfcs"]], marker="o", label=f"tfcs / {impl}")
+            both = [s for s in xs if s in results["tfcs"]]
+            ratios = [ratio_of(results, impl, s) for s in both]
+            line, = ax2.semilogx(both, ratios, marker="o", label=f"tfcs / {impl}")
+            spans = [rows[s].get("round_ratios") for s in both]
+            if any(spans):  # an interleaved run: each size's per-round range around the median
+                ax2.errorbar(both, ratios, fmt="none", ecolor=line.get_color(), capsize=3,
+                             yerr=[[r - min(rr) if rr else 0 for r, rr in zip(ratios, spans)],
+                                   [max(rr) - r if rr else 0 for r, rr in zip(ratios, spans)]])
     ax1.set_xlabel("message size (bytes)")
     ax1.set_ylabel("median time (ms)")
     ax1.set_title(f"{op}, {n} ranks, float32")
