@@ -17,7 +17,13 @@ run of each job:
   so that the comparison does not rest on the thread setting alone;
 * ``ceiling`` and ``ceiling-pools``: N independent single-process trainings at the same time (no
   communication at all), with TF's default pools and with ``cores // N``; the better of the two is
-  the compute ceiling of this machine.
+  the compute ceiling of this machine;
+* ``paired`` (not in the default set): tfcs and the ceiling in the SAME N processes under ``tfcs-run``,
+  taking turns in blocks of ``--steps`` steps (``--blocks`` pairs, the order reversed every other pair):
+  a block of CommStrategy training, then a block in which each process trains a model of its own
+  without a strategy (no collective: the ceiling), both ranks starting each block together. The VM's
+  speed drifts over seconds (see docs/benchmarks.md), so jobs run one after the other can land in
+  different phases; a pair of blocks compares steps taken moments apart. Reported per pair.
 
 Each worker trains a warm-up epoch, then ``--steps`` steps in one ``fit`` call. Samples/s are global and
 steady-state: from the start of step 20 of that call to the end of its last step (a callback notes the
@@ -41,7 +47,8 @@ SKIP = 20  # steps of the timed fit call not counted (first-step effects of the 
 JOBS = ("tfcs", "mwms", "mwms-pools", "ceiling", "ceiling-pools")
 
 
-def worker(mode, steps, out):
+def _tf_setup():
+    """TensorFlow, as every job's worker imports it (tf_keras; the "-pools" jobs' pool size; pinning)."""
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
@@ -51,12 +58,53 @@ def worker(mode, steps, out):
     if threads:
         tf.config.threading.set_intra_op_parallelism_threads(int(threads))
         tf.config.threading.set_inter_op_parallelism_threads(int(threads))
-    n = int(os.environ.get("TFCS_WORLD_SIZE", "1"))
     rank = int(os.environ.get("TFCS_RANK", "0"))
     if os.environ.get("TFCS_BENCH_PIN") == "1":  # every job alike: worker r on core r (mod the cores)
         cores = sorted(os.sched_getaffinity(0))
         slot = int(os.environ.get("TFCS_BENCH_SLOT", rank))
         os.sched_setaffinity(0, {cores[slot % len(cores)]})
+    return np, tf, keras, rank
+
+
+def _model(keras):
+    L = keras.layers
+    model = keras.Sequential([L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(),
+                              L.Flatten(), L.Dense(128, activation="relu"), L.Dense(10)])
+    model.compile(optimizer="adam", metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _dataset(np, tf, rank, global_batch):
+    rng = np.random.default_rng(rank)
+    x = rng.random((global_batch * 8, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, global_batch * 8)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).repeat()
+
+
+def _timed_fit(keras, model, ds, steps, comm_seconds=lambda: 0.0):
+    """One ``fit`` call of ``steps + SKIP`` steps: the steady-state time from the start of step SKIP to
+    the end of the last step, the collectives' time in that window, and the whole call's time."""
+    marks = {}
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == SKIP:
+                marks["begin"] = time.perf_counter()
+                marks["comm0"] = comm_seconds()
+
+        def on_train_batch_end(self, batch, logs=None):
+            marks["end"] = time.perf_counter()
+
+    t0 = time.perf_counter()
+    model.fit(ds, epochs=1, steps_per_epoch=steps + SKIP, verbose=0, callbacks=[Clock()])
+    return {"wall_s": marks["end"] - marks["begin"], "comm_s": comm_seconds() - marks["comm0"],
+            "fit_call_s": time.perf_counter() - t0, "fit_call_steps": steps + SKIP, "steps": steps}
+
+
+def worker(mode, steps, out):
+    np, tf, keras, rank = _tf_setup()
+    n = int(os.environ.get("TFCS_WORLD_SIZE", "1"))
     if mode.startswith("tfcs"):
         import tf_commstrategy as tfcs
         strategy = tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
@@ -69,39 +117,61 @@ def worker(mode, steps, out):
     else:
         strategy = tf.distribute.get_strategy()
         global_batch = PER_WORKER_BATCH
-    rng = np.random.default_rng(rank)
-    x = rng.random((global_batch * 8, 28, 28, 1), dtype=np.float32)
-    y = rng.integers(0, 10, global_batch * 8)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).repeat()
+    ds = _dataset(np, tf, rank, global_batch)
     with strategy.scope():
-        L = keras.layers
-        model = keras.Sequential([L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(),
-                                  L.Flatten(), L.Dense(128, activation="relu"), L.Dense(10)])
-        model.compile(optimizer="adam", metrics=["accuracy"],
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = _model(keras)
     model.fit(ds, epochs=1, steps_per_epoch=20, verbose=0)  # warm-up: tracing, first collectives
-    marks = {}
-
-    class Clock(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if batch == SKIP:
-                marks["begin"] = time.perf_counter()
-                marks["comm0"] = _comm_seconds(mode)
-
-        def on_train_batch_end(self, batch, logs=None):
-            marks["end"] = time.perf_counter()
-
-    t0 = time.perf_counter()
-    model.fit(ds, epochs=1, steps_per_epoch=steps + SKIP, verbose=0, callbacks=[Clock()])
-    call_s = time.perf_counter() - t0
-    comm = _comm_seconds(mode) - marks["comm0"]
+    timed = _timed_fit(keras, model, ds, steps, lambda: _comm_seconds(mode))
     if rank == 0 or mode.startswith("ceiling"):
         with open(out, "w") as f:
-            json.dump({"mode": mode, "wall_s": marks["end"] - marks["begin"], "steps": steps,
-                       "global_batch": global_batch, "params": model.count_params(), "comm_s": comm,
-                       "fit_call_s": call_s, "fit_call_steps": steps + SKIP,
+            json.dump(dict(timed, mode=mode, global_batch=global_batch, params=model.count_params(),
+                           intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads(),
+                           inter_op_threads=tf.config.threading.get_inter_op_parallelism_threads()), f)
+
+
+def paired_worker(steps, blocks, out):
+    """The ``paired`` job: in the same N processes (under ``tfcs-run``), blocks of CommStrategy
+    training and blocks of the ceiling (each process trains a model of its own, no strategy, no
+    communication: N independent trainings at the same time) take turns, the order reversed every
+    other pair. Both ranks start every block together (a barrier, outside the timed window)."""
+    np, tf, keras, rank = _tf_setup()
+    import tf_commstrategy as tfcs
+    strategy = tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
+    n = tfcs.size()
+    with strategy.scope():
+        model_t = _model(keras)
+    model_c = _model(keras)  # outside the scope: TensorFlow's default strategy, this process alone
+    jobs = {"tfcs": (model_t, _dataset(np, tf, rank, PER_WORKER_BATCH * n)),
+            "ceiling": (model_c, _dataset(np, tf, rank, PER_WORKER_BATCH))}
+    for model, ds in jobs.values():
+        model.fit(ds, epochs=1, steps_per_epoch=20, verbose=0)  # warm-up: tracing, first collectives
+    rows = []
+    for i in range(blocks):
+        order = ("tfcs", "ceiling") if i % 2 == 0 else ("ceiling", "tfcs")
+        row = {"order": list(order)}
+        for job in order:
+            tfcs.barrier()
+            model, ds = jobs[job]
+            # the collectives' time counted in both jobs: the ceiling's blocks must show none
+            row[job] = _timed_fit(keras, model, ds, steps, lambda: _comm_seconds("tfcs"))
+        rows.append(row)
+    # every rank's ceiling blocks: the ceiling's samples/s is the sum over the N independent trainings
+    walls = tfcs.allgather(np.array([[r["ceiling"]["wall_s"] for r in rows]], dtype=np.float64))
+    for i, r in enumerate(rows):
+        r["ceiling"]["rank_wall_s"] = [float(w) for w in walls[:, i]]
+        r["ceiling"]["samples_per_s"] = sum(PER_WORKER_BATCH * steps / w for w in walls[:, i])
+        r["tfcs"]["samples_per_s"] = PER_WORKER_BATCH * n * steps / r["tfcs"]["wall_s"]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"mode": "paired", "blocks": rows, "global_batch": PER_WORKER_BATCH * n,
+                       "params": model_t.count_params(), "steps": steps,
                        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
                        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads()}, f)
+
+
+def paired_ratios(result):
+    """Each block pair's tfcs / ceiling samples/s, in block order."""
+    return [b["tfcs"]["samples_per_s"] / b["ceiling"]["samples_per_s"] for b in result["blocks"]]
 
 
 def _comm_seconds(mode):
@@ -124,11 +194,23 @@ def _free_ports(n):
     return ports
 
 
-def run_mode(mode, n, steps):
+def run_mode(mode, n, steps, blocks=6):
     d = tempfile.mkdtemp()
     outs = [os.path.join(d, f"r{i}.json") for i in range(n)]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--steps", str(steps)]
     env = dict(os.environ)
+    if mode == "paired":
+        subprocess.run([sys.executable, "-m", "tf_commstrategy.run", "-np", str(n)] + cmd +
+                       ["--blocks", str(blocks), "--out", outs[0]], check=True, env=env)
+        result = json.load(open(outs[0]))
+        # as a job of the round: tfcs's median block (the ratios themselves are per block pair)
+        tfcs = statistics.median(b["tfcs"]["samples_per_s"] for b in result["blocks"])
+        return dict(result, samples_per_s=tfcs, step_ms=1e3 * PER_WORKER_BATCH * n / tfcs,
+                    comm_s=sum(b["tfcs"]["comm_s"] for b in result["blocks"]),
+                    wall_s=sum(b["tfcs"]["wall_s"] for b in result["blocks"]),
+                    fit_call_samples_per_s=statistics.median(
+                        result["global_batch"] * b["tfcs"]["fit_call_steps"] / b["tfcs"]["fit_call_s"]
+                        for b in result["blocks"]))
     if mode.endswith("-pools"):
         env["TFCS_BENCH_TF_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
     if mode.startswith("tfcs"):
@@ -174,6 +256,23 @@ def summarize(rounds, workers, steps):
         each = ", ".join(f"{r[j]['samples_per_s']:,.0f}" for r in rounds)
         lines.append(f"| {j} | {pools} | {med[j]:,.0f} | {1e3 * PER_WORKER_BATCH * workers / med[j]:.1f} ms "
                      f"| {each} |")
+    if "paired" in jobs:
+        lines += ["", "paired job: CommStrategy and the ceiling in the same processes, taking turns in blocks of "
+                  f"{steps} steps (ratio tfcs / ceiling of each block pair)", "",
+                  "| round | tfcs samples/s (blocks) | ceiling samples/s (blocks) | tfcs / ceiling per pair | median |",
+                  "|---|---|---|---|---|"]
+        for i, r in enumerate(rounds, 1):
+            blocks, ratios = r["paired"]["blocks"], paired_ratios(r["paired"])
+            lines.append(f"| {i} | " + ", ".join(f"{b['tfcs']['samples_per_s']:,.0f}" for b in blocks) + " | " +
+                         ", ".join(f"{b['ceiling']['samples_per_s']:,.0f}" for b in blocks) + " | " +
+                         ", ".join(f"{x:.2f}" for x in ratios) + f" | {statistics.median(ratios):.2f} |")
+        everything = [x for r in rounds for x in paired_ratios(r["paired"])]
+        lines.append(f"\nall {len(everything)} pairs: median {statistics.median(everything):.2f}, "
+                     f"{min(everything):.2f}-{max(everything):.2f}, at least 0.9 in "
+                     f"{sum(x >= 0.9 for x in everything)}")
+        if "mwms" in jobs:
+            lines.append("paired tfcs (median block) / mwms per round: " + ", ".join(
+                f"{r['paired']['samples_per_s'] / r['mwms']['samples_per_s']:.2f}x" for r in rounds))
     if {"tfcs", "mwms"} <= set(jobs):
         lines += ["", "| round | tfcs / mwms | tfcs / best MWMS | tfcs / ceiling (best) | tfcs comm share |",
                   "|---|---|---|---|---|"]
@@ -203,10 +302,14 @@ def main():
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json")
-    p.add_argument("--modes", default=",".join(JOBS))
+    p.add_argument("--modes", default=",".join(JOBS),
+                   help="jobs of a round, from: " + ", ".join(JOBS + ("tfcs-python", "tfcs-grpc", "paired")))
+    p.add_argument("--blocks", type=int, default=6, help="block pairs of the paired job (each --steps steps)")
     p.add_argument("--plot", help="write a PNG bar chart of the jobs here (needs matplotlib)")
     p.add_argument("--from-json", help="summarize / plot an earlier --json file instead of running")
     a = p.parse_args()
+    if a.worker == "paired":
+        return paired_worker(a.steps, a.blocks, a.out)
     if a.worker:
         return worker(a.worker, a.steps, a.out)
     if a.from_json:
@@ -218,7 +321,7 @@ def main():
     modes = a.modes.split(",")
     rounds = []
     for i in range(a.rounds):
-        rounds.append({m: run_mode(m, a.workers, a.steps) for m in modes})
+        rounds.append({m: run_mode(m, a.workers, a.steps, a.blocks) for m in modes})
         print(f"round {i + 1}: " + ", ".join(f"{m} {r['samples_per_s']:,.0f}" for m, r in rounds[-1].items()),
               flush=True)
     print("\n" + summarize(rounds, a.workers, a.steps))
@@ -238,7 +341,7 @@ def plot(rounds, workers, path):
     jobs = list(rounds[0])
     med = [statistics.median(r[j]["samples_per_s"] for r in rounds) for j in jobs]
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    colors = ["tab:green" if j.startswith("tfcs") else "tab:red" if j.startswith("mwms") else "tab:gray"
+    colors = ["tab:green" if j.startswith("tfcs") or j == "paired" else "tab:red" if j.startswith("mwms") else "tab:gray"
               for j in jobs]
     ax.bar(range(len(jobs)), med, color=colors, alpha=0.8)
     for i, j in enumerate(jobs):
