@@ -82,24 +82,26 @@ def _dataset(np, tf, rank, global_batch):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).repeat()
 
 
-def _timed_fit(keras, model, ds, steps, comm_seconds=lambda: 0.0):
+def _timed_fit(keras, model, ds, steps, counters=lambda: {}):
     """One ``fit`` call of ``steps + SKIP`` steps: the steady-state time from the start of step SKIP to
-    the end of the last step, the collectives' time in that window, and the whole call's time."""
+    the end of the last step, what ``counters`` (seconds by name) grew by in that window, and the whole
+    call's time."""
     marks = {}
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if batch == SKIP:
                 marks["begin"] = time.perf_counter()
-                marks["comm0"] = comm_seconds()
+                marks["counters"] = counters()
 
         def on_train_batch_end(self, batch, logs=None):
             marks["end"] = time.perf_counter()
 
     t0 = time.perf_counter()
     model.fit(ds, epochs=1, steps_per_epoch=steps + SKIP, verbose=0, callbacks=[Clock()])
-    return {"wall_s": marks["end"] - marks["begin"], "comm_s": comm_seconds() - marks["comm0"],
-            "fit_call_s": time.perf_counter() - t0, "fit_call_steps": steps + SKIP, "steps": steps}
+    grown = {k: v - marks["counters"][k] for k, v in counters().items()}
+    return dict(grown, wall_s=marks["end"] - marks["begin"], fit_call_s=time.perf_counter() - t0,
+                fit_call_steps=steps + SKIP, steps=steps)
 
 
 def worker(mode, steps, out):
@@ -121,7 +123,7 @@ def worker(mode, steps, out):
     with strategy.scope():
         model = _model(keras)
     model.fit(ds, epochs=1, steps_per_epoch=20, verbose=0)  # warm-up: tracing, first collectives
-    timed = _timed_fit(keras, model, ds, steps, lambda: _comm_seconds(mode))
+    timed = _timed_fit(keras, model, ds, steps, lambda: _comm_counters(mode))
     if rank == 0 or mode.startswith("ceiling"):
         with open(out, "w") as f:
             json.dump(dict(timed, mode=mode, global_batch=global_batch, params=model.count_params(),
@@ -153,7 +155,7 @@ def paired_worker(steps, blocks, out):
             tfcs.barrier()
             model, ds = jobs[job]
             # the collectives' time counted in both jobs: the ceiling's blocks must show none
-            row[job] = _timed_fit(keras, model, ds, steps, lambda: _comm_seconds("tfcs"))
+            row[job] = _timed_fit(keras, model, ds, steps, lambda: _comm_counters("tfcs"))
         rows.append(row)
     # every rank's ceiling blocks: the ceiling's samples/s is the sum over the N independent trainings
     walls = tfcs.allgather(np.array([[r["ceiling"]["wall_s"] for r in rows]], dtype=np.float64))
@@ -174,14 +176,19 @@ def paired_ratios(result):
     return [b["tfcs"]["samples_per_s"] / b["ceiling"]["samples_per_s"] for b in result["blocks"]]
 
 
-def _comm_seconds(mode):
+def _comm_counters(mode):
+    """Seconds this rank has spent inside collectives (``comm_s``), and of those, inside the compiled
+    all-reduce waiting for the other ranks (``wait_s``; 0 where the op is not used)."""
     if not mode.startswith("tfcs"):
-        return 0.0
+        return {"comm_s": 0.0, "wait_s": 0.0}
     from tf_commstrategy.process import default_group
     from tf_commstrategy.tf.native_path import NativeAllReduce
     group = default_group()
     native = NativeAllReduce.for_group(group)  # set up already by the strategy: only looked up here
-    return group.backend("grpc").stats()["busy_s"] + (native.busy_seconds() if native is not None else 0.0)
+    busy = group.backend("grpc").stats()["busy_s"]
+    if native is None:
+        return {"comm_s": busy, "wait_s": 0.0}
+    return {"comm_s": busy + native.busy_seconds(), "wait_s": native.wait_seconds()}
 
 
 def _free_ports(n):
@@ -207,6 +214,7 @@ def run_mode(mode, n, steps, blocks=6):
         tfcs = statistics.median(b["tfcs"]["samples_per_s"] for b in result["blocks"])
         return dict(result, samples_per_s=tfcs, step_ms=1e3 * PER_WORKER_BATCH * n / tfcs,
                     comm_s=sum(b["tfcs"]["comm_s"] for b in result["blocks"]),
+                    wait_s=sum(b["tfcs"].get("wait_s", 0.0) for b in result["blocks"]),
                     wall_s=sum(b["tfcs"]["wall_s"] for b in result["blocks"]),
                     fit_call_samples_per_s=statistics.median(
                         result["global_batch"] * b["tfcs"]["fit_call_steps"] / b["tfcs"]["fit_call_s"]
@@ -266,8 +274,14 @@ def summarize(rounds, workers, steps):
             lines.append(f"| {i} | " + ", ".join(f"{b['tfcs']['samples_per_s']:,.0f}" for b in blocks) + " | " +
                          ", ".join(f"{b['ceiling']['samples_per_s']:,.0f}" for b in blocks) + " | " +
                          ", ".join(f"{x:.2f}" for x in ratios) + f" | {statistics.median(ratios):.2f} |")
+        blocks = [b for r in rounds for b in r["paired"]["blocks"]]
+        per_step = lambda key, job="tfcs": statistics.median(  # noqa: E731
+            1e3 * b[job].get(key, 0.0) / b[job]["steps"] for b in blocks)
+        lines.append(f"\nper step (rank 0, median over blocks): tfcs {per_step('wall_s'):.2f} ms, ceiling "
+                     f"{per_step('wall_s', 'ceiling'):.2f} ms; tfcs inside collectives {per_step('comm_s'):.2f} "
+                     f"ms, of which waiting for the other ranks {per_step('wait_s'):.2f} ms")
         everything = [x for r in rounds for x in paired_ratios(r["paired"])]
-        lines.append(f"\nall {len(everything)} pairs: median {statistics.median(everything):.2f}, "
+        lines.append(f"all {len(everything)} pairs: median {statistics.median(everything):.2f}, "
                      f"{min(everything):.2f}-{max(everything):.2f}, at least 0.9 in "
                      f"{sum(x >= 0.9 for x in everything)}")
         if "mwms" in jobs:
@@ -287,8 +301,10 @@ def summarize(rounds, workers, steps):
                          f"{100 * share:.0f}% |")
         share = statistics.median(r["tfcs"]["comm_s"] / r["tfcs"]["wall_s"] for r in rounds)
         step = 1e3 * PER_WORKER_BATCH * workers / med["tfcs"]
+        wait = statistics.median(r["tfcs"].get("wait_s", 0.0) / r["tfcs"]["wall_s"] for r in rounds)
         lines.append(f"\ntfcs step-time split (rank 0, median share): {step * (1 - share):.1f} ms compute and "
-                     f"framework, {step * share:.1f} ms inside collectives ({100 * share:.0f}%)")
+                     f"framework, {step * share:.1f} ms inside collectives ({100 * share:.0f}%), of which "
+                     f"{step * wait:.2f} ms waiting for the other ranks")
         lines.append("whole fit() call incl. its start (samples/s, round 1): " + ", ".join(
             f"{j} {rounds[0][j]['fit_call_samples_per_s']:,.0f}" for j in jobs))
     return "\n".join(lines)

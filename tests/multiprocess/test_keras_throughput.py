@@ -29,7 +29,8 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
         t, c = b["tfcs"], b["ceiling"]
         assert t["steps"] == c["steps"] == STEPS
         assert t["comm_s"] > 0  # the strategy's blocks all-reduce every step
-        assert c["comm_s"] == 0  # the ceiling's blocks never enter a collective
+        assert 0 <= t["wait_s"] <= t["comm_s"]  # waits for the other rank: part of the time in collectives
+        assert c["comm_s"] == c["wait_s"] == 0  # the ceiling's blocks never enter a collective
         assert len(c["rank_wall_s"]) == 2 and c["rank_wall_s"][0] == pytest.approx(c["wall_s"])
         # global samples/s: the strategy trains 2 x 64 samples per step in lockstep; the ceiling is the
         # sum of two independent trainings of 64 samples per step
@@ -37,3 +38,4 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
         assert c["samples_per_s"] == pytest.approx(sum(64 * STEPS / w for w in c["rank_wall_s"]))
     ratios = [b["tfcs"]["samples_per_s"] / b["ceiling"]["samples_per_s"] for b in blocks]
     assert "tfcs / ceiling per pair" in p.stdout and f"{ratios[0]:.2f}, {ratios[1]:.2f}" in p.stdout
+    assert "of which waiting for the other ranks" in p.stdout

@@ -201,17 +201,19 @@ def _busy(rank, size):
     native = s.extended._native
     step = _sum_step(tf, s)
     step(tf.ones([4]))
-    before = native.busy_seconds()
+    before = native.busy_seconds(), native.wait_seconds()
     if rank == 1:
-        time.sleep(1.0)  # rank 0 waits for this rank inside the op: its time there counts
+        time.sleep(1.0)  # rank 0 waits for this rank inside the op: its time there counts, as a wait
     step(tf.ones([4]))
-    return native.busy_seconds() - before
+    return native.busy_seconds() - before[0], native.wait_seconds() - before[1]
 
 
-def test_the_time_inside_the_op_is_counted():
-    waited, quick = run_workers(_busy, 2, timeout=120)
+def test_the_time_inside_the_op_and_the_waits_are_counted():
+    (waited, waiting), (quick, quick_wait) = run_workers(_busy, 2, timeout=120)
     assert 0.8 < waited < 5.0, waited
-    assert quick < 0.5, quick
+    assert 0.8 < waiting <= waited, (waiting, waited)  # the second was spent waiting for rank 1
+    assert waited - waiting < 0.5, (waited, waiting)  # its own work on 4 floats is quick
+    assert quick < 0.5 and 0 <= quick_wait <= quick, (quick, quick_wait)
 
 
 def _mixed(rank, size):

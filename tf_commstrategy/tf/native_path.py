@@ -72,6 +72,7 @@ class NativeAllReduce:
         self._state = _word(group.size, group.rank, line_kind=2)
         self._calls = _word(group.size, group.rank, line_kind=3, offset=2)
         self._busy_ns = _word(group.size, group.rank, line_kind=3, offset=3)
+        self._wait_ns = _word(group.size, group.rank, line_kind=3, offset=4)
 
     # -- set-up ----------------------------------------------------------------------------------
     @classmethod
@@ -221,6 +222,11 @@ class NativeAllReduce:
         """Time this rank has spent inside the op, waiting for its peers included (it counts it)."""
         return int(self._words[self._busy_ns]) * 1e-9
 
+    def wait_seconds(self) -> float:
+        """The part of ``busy_seconds`` this rank spent waiting for its peers (their data not there yet,
+        or its slot still being read): the rest is its own copying and summing."""
+        return int(self._words[self._wait_ns]) * 1e-9
+
     def error(self) -> Optional[TfcsError]:
         """Why a call of this rank's failed (its state word), or None while it is healthy: the process
         group counts it as its own failure (``ProcessGroup.failure``), also when no ``unwrap_errors`` saw it."""
@@ -256,7 +262,8 @@ class NativeAllReduce:
 
 def _word(size: int, rank: int, line_kind: int, offset: int = 0) -> int:
     """Index (in uint64 words) of ``rank``'s word ``offset`` in line ``line_kind`` of the op's header:
-    64-byte lines, ``size`` of each kind (0 ready, 1 done, 2 state, 3 signatures and counters)."""
+    64-byte lines, ``size`` of each kind (0 ready, 1 done, 2 state, 3 signatures and counters: calls at
+    offset 2, busy_ns at 3, wait_ns at 4)."""
     return (line_kind * size + rank) * 8 + offset
 
 

@@ -13,9 +13,10 @@
 //   line [1 * size + r]  done[r]:  the generation rank r has finished reading every slot for
 //   line [2 * size + r]  state[r]: 0 while healthy, else why rank r stopped (kShutdown, kMismatch, ...;
 //                        kFailed: set by Python when the process group failed, so a waiting call ends)
-//   line [3 * size + r]  sig[r][2], calls[r], busy_ns[r]: the signatures of rank r's pieces in slot 0
-//                        and 1 (a rank may publish generation g + 1 while a peer still checks g); its
-//                        calls so far; the nanoseconds they took
+//   line [3 * size + r]  sig[r][2], calls[r], busy_ns[r], wait_ns[r]: the signatures of rank r's pieces
+//                        in slot 0 and 1 (a rank may publish generation g + 1 while a peer still checks
+//                        g); its calls so far; the nanoseconds they took; the part of those spent
+//                        waiting for peers (a peer's data not there yet, or a slot still being read)
 //   data at header_bytes: rank r's two slots of `capacity` bytes (generation g uses slot g & 1)
 //
 // One generation per piece of at most `capacity` bytes of the concatenated inputs: each rank copies
@@ -88,6 +89,7 @@ class Segment {
   std::atomic<uint64_t>* sig(int r, uint64_t gen) const { return line(3, r) + (gen & 1); }
   std::atomic<uint64_t>* calls(int r) const { return line(3, r) + 2; }
   std::atomic<uint64_t>* busy_ns(int r) const { return line(3, r) + 3; }
+  std::atomic<uint64_t>* wait_ns(int r) const { return line(3, r) + 4; }
   char* slot(int r, uint64_t gen, int64_t capacity) const {
     return base_ + header_ + (int64_t(r) * 2 + int64_t(gen & 1)) * capacity;
   }
@@ -194,19 +196,22 @@ class ShmAllReduceOp : public OpKernel {
     std::vector<int64_t> len(n);
     int64_t total = 0;
     uint64_t shape_sig = 1469598103934665603ULL;
-    struct Exit {  // however the call ends: its time into busy_ns; a failure marks this rank stopped, so
-      const Segment& s;  // peers waiting for it fail at once instead of at their deadline
+    waited_ns_ = 0;  // Wait() adds to it (calls are serialized by the mutex)
+    struct Exit {  // however the call ends: its time into busy_ns, the waits into wait_ns; a failure marks
+      const Segment& s;  // this rank stopped, so peers waiting for it fail at once instead of at their deadline
       int rank;
       Clock::time_point t0;
       OpKernelContext* ctx;
+      const int64_t& waited;
       ~Exit() {
         s.busy_ns(rank)->fetch_add(
             uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()),
             std::memory_order_relaxed);
+        s.wait_ns(rank)->fetch_add(uint64_t(waited), std::memory_order_relaxed);
         uint64_t healthy = 0;
         if (!ctx->status().ok()) s.state(rank)->compare_exchange_strong(healthy, kFailed, std::memory_order_acq_rel);
       }
-    } exit{s, rank_, entered, ctx};
+    } exit{s, rank_, entered, ctx, waited_ns_};
     s.calls(rank_)->fetch_add(1, std::memory_order_relaxed);
     for (int i = 0; i < n; ++i) {
       const Tensor& t = ctx->input(i);
@@ -300,6 +305,13 @@ class ShmAllReduceOp : public OpKernel {
     if (word->load(std::memory_order_acquire) >= target) return true;
     const Segment& s = *seg_;
     const auto start = Clock::now();
+    struct Waited {  // however the wait ends, its time counts
+      int64_t& total;
+      Clock::time_point start;
+      ~Waited() {
+        total += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+      }
+    } waited{waited_ns_, start};
     auto next_check = start;
     for (uint64_t spins = 0;; ++spins) {
       if (word->load(std::memory_order_acquire) >= target) return true;
@@ -358,6 +370,7 @@ class ShmAllReduceOp : public OpKernel {
   float timeout_ = 0;
   int spin_us_ = 0;
   bool mean_ = false;
+  int64_t waited_ns_ = 0;  // this call's time in Wait() so far
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfcsShmAllReduce").Device(DEVICE_CPU).TypeConstraint<float>("T"),
