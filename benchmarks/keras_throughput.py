@@ -66,6 +66,13 @@ def _tf_setup():
     return np, tf, keras, rank
 
 
+def _comm_strategy():
+    """The tfcs jobs' strategy: ``CommStrategy()`` as a user makes it (``TFCS_BENCH_SYNC_METRICS=0``: local
+    metrics)."""
+    import tf_commstrategy as tfcs
+    return tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
+
+
 def _model(keras):
     L = keras.layers
     model = keras.Sequential([L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(),
@@ -108,8 +115,7 @@ def worker(mode, steps, out):
     np, tf, keras, rank = _tf_setup()
     n = int(os.environ.get("TFCS_WORLD_SIZE", "1"))
     if mode.startswith("tfcs"):
-        import tf_commstrategy as tfcs
-        strategy = tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
+        strategy = _comm_strategy()
         global_batch = PER_WORKER_BATCH * n
     elif mode.startswith("mwms"):
         opts = tf.distribute.experimental.CommunicationOptions(
@@ -138,7 +144,7 @@ def paired_worker(steps, blocks, out):
     other pair. Both ranks start every block together (a barrier, outside the timed window)."""
     np, tf, keras, rank = _tf_setup()
     import tf_commstrategy as tfcs
-    strategy = tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
+    strategy = _comm_strategy()
     n = tfcs.size()
     with strategy.scope():
         model_t = _model(keras)
