@@ -165,8 +165,11 @@ def paired_worker(steps, blocks, out):
         rows.append(row)
     # every rank's ceiling blocks: the ceiling's samples/s is the sum over the N independent trainings
     walls = tfcs.allgather(np.array([[r["ceiling"]["wall_s"] for r in rows]], dtype=np.float64))
+    # every rank's waits inside the tfcs blocks' all-reduce: a rank that always waits less is the slower one
+    waits = tfcs.allgather(np.array([[r["tfcs"].get("wait_s", 0.0) for r in rows]], dtype=np.float64))
     for i, r in enumerate(rows):
         r["ceiling"]["rank_wall_s"] = [float(w) for w in walls[:, i]]
+        r["tfcs"]["rank_wait_s"] = [float(w) for w in waits[:, i]]
         r["ceiling"]["samples_per_s"] = sum(PER_WORKER_BATCH * steps / w for w in walls[:, i])
         r["tfcs"]["samples_per_s"] = PER_WORKER_BATCH * n * steps / r["tfcs"]["wall_s"]
     if rank == 0:
@@ -286,6 +289,11 @@ def summarize(rounds, workers, steps):
         lines.append(f"\nper step (rank 0, median over blocks): tfcs {per_step('wall_s'):.2f} ms, ceiling "
                      f"{per_step('wall_s', 'ceiling'):.2f} ms; tfcs inside collectives {per_step('comm_s'):.2f} "
                      f"ms, of which waiting for the other ranks {per_step('wait_s'):.2f} ms")
+        if all("rank_wait_s" in b["tfcs"] for b in blocks):
+            rank_wait = lambda k: statistics.median(  # noqa: E731
+                1e3 * b["tfcs"]["rank_wait_s"][k] / b["tfcs"]["steps"] for b in blocks)
+            lines.append("tfcs waiting for the other ranks per step, each rank (median over blocks): " + ", ".join(
+                f"rank {k} {rank_wait(k):.2f} ms" for k in range(len(blocks[0]["tfcs"]["rank_wait_s"]))))
         everything = [x for r in rounds for x in paired_ratios(r["paired"])]
         lines.append(f"all {len(everything)} pairs: median {statistics.median(everything):.2f}, "
                      f"{min(everything):.2f}-{max(everything):.2f}, at least 0.9 in "

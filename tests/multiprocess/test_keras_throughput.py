@@ -31,6 +31,9 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
         assert t["comm_s"] > 0  # the strategy's blocks all-reduce every step
         assert 0 <= t["wait_s"] <= t["comm_s"]  # waits for the other rank: part of the time in collectives
         assert c["comm_s"] == c["wait_s"] == 0  # the ceiling's blocks never enter a collective
+        # each rank's waits, gathered: rank 0's entry is its own counter
+        assert len(t["rank_wait_s"]) == 2 and t["rank_wait_s"][0] == pytest.approx(t["wait_s"])
+        assert all(w >= 0 for w in t["rank_wait_s"])
         assert len(c["rank_wall_s"]) == 2 and c["rank_wall_s"][0] == pytest.approx(c["wall_s"])
         # global samples/s: the strategy trains 2 x 64 samples per step in lockstep; the ceiling is the
         # sum of two independent trainings of 64 samples per step
@@ -39,3 +42,4 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
     ratios = [b["tfcs"]["samples_per_s"] / b["ceiling"]["samples_per_s"] for b in blocks]
     assert "tfcs / ceiling per pair" in p.stdout and f"{ratios[0]:.2f}, {ratios[1]:.2f}" in p.stdout
     assert "of which waiting for the other ranks" in p.stdout
+    assert "each rank (median over blocks): rank 0 " in p.stdout and ", rank 1 " in p.stdout
