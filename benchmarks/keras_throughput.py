@@ -19,11 +19,14 @@ run of each job:
   communication at all), with TF's default pools and with ``cores // N``; the better of the two is
   the compute ceiling of this machine;
 * ``paired`` (not in the default set): tfcs and the ceiling in the SAME N processes under ``tfcs-run``,
-  taking turns in blocks of ``--steps`` steps (``--blocks`` pairs, the order reversed every other pair):
-  a block of CommStrategy training, then a block in which each process trains a model of its own
-  without a strategy (no collective: the ceiling), both ranks starting each block together. The VM's
-  speed drifts over seconds (see docs/benchmarks.md), so jobs run one after the other can land in
-  different phases; a pair of blocks compares steps taken moments apart. Reported per pair.
+  taking turns in blocks of ``--steps`` steps (``--blocks`` rounds of three blocks, the order rotated
+  from one to the next): a block of CommStrategy training; a block in which each process trains a
+  model of its own without a strategy (no collective: the ceiling); and a *lockstep* block, the
+  ceiling's model with the processes waiting for each other in every step where CommStrategy
+  all-reduces the gradients (a barrier on shared-memory words, no data exchanged): what synchronous
+  training costs before any gradient moves. Both ranks start each block together. The VM's speed drifts over seconds (see
+  docs/benchmarks.md), so jobs run one after the other can land in different phases; blocks taken
+  moments apart are compared. Reported per round of blocks.
 
 Each worker trains a warm-up epoch, then ``--steps`` steps in one ``fit`` call. Samples/s are global and
 steady-state: from the start of step 20 of that call to the end of its last step (a callback notes the
@@ -73,9 +76,9 @@ def _comm_strategy():
     return tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
 
 
-def _model(keras):
+def _model(keras, cls=None):
     L = keras.layers
-    model = keras.Sequential([L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(),
+    model = (cls or keras.Sequential)([L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(),
                               L.Flatten(), L.Dense(128, activation="relu"), L.Dense(10)])
     model.compile(optimizer="adam", metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -137,11 +140,90 @@ def worker(mode, steps, out):
                            inter_op_threads=tf.config.threading.get_inter_op_parallelism_threads()), f)
 
 
+class StepBarrier:
+    """The lockstep blocks' barrier: every rank writes how many barriers it has reached into its own word of
+    a shared-memory page and waits until every word has reached that count (yielding the CPU for up to 1
+    ms, then sleeping 50 us at a time, as the compiled all-reduce waits). No data moves, so its cost is
+    what lockstep itself costs. Rank 0 makes the page (a random name, broadcast) and removes it."""
+
+    DEADLINE_S = 120.0
+
+    def __init__(self, tfcs, np, rank, n):
+        import mmap
+        import secrets
+        name = np.zeros(48, np.uint8)
+        if rank == 0:
+            text = f"/dev/shm/tfcs-bench-lockstep-{secrets.token_hex(8)}".encode()
+            name[:len(text)] = np.frombuffer(text, np.uint8)
+            fd = os.open(text.decode(), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, 4096)
+            os.close(fd)
+        name = tfcs.broadcast(name, root_rank=0)
+        self.path = bytes(name[name > 0]).decode()
+        fd = os.open(self.path, os.O_RDWR)
+        self._mm = mmap.mmap(fd, 4096)
+        os.close(fd)
+        self._words = np.frombuffer(self._mm, dtype=np.uint64, count=n)
+        self.rank, self.count, self.wait_s, self._np = rank, 0, 0.0, np
+
+    def wait(self):
+        self.count += 1
+        self._words[self.rank] = self.count
+        start = time.perf_counter()
+        while self._words.min() < self.count:
+            waited = time.perf_counter() - start
+            if waited < 1e-3:
+                os.sched_yield()
+            elif waited < self.DEADLINE_S:
+                time.sleep(50e-6)
+            else:
+                raise RuntimeError(f"rank {self.rank}: lockstep barrier {self.count} not reached by every rank "
+                                   f"within {self.DEADLINE_S:g} s (words {self._words.tolist()})")
+        self.wait_s += time.perf_counter() - start
+
+    def passed(self):
+        """``wait``, as a ``tf.numpy_function`` calls it: returns how many barriers this rank has passed."""
+        self.wait()
+        return self._np.int64(self.count)
+
+    def close(self, rank):
+        del self._words
+        self._mm.close()
+        if rank == 0:
+            os.unlink(self.path)
+
+
+PAIRED_JOBS = ("tfcs", "ceiling", "lockstep")
+
+
+def _lockstep_model(keras, tf, barrier):
+    """The ceiling's model, but its train step waits for every rank's (``barrier``) where CommStrategy
+    all-reduces the gradients: between the backward pass and the update (as ``optimizer.minimize`` does
+    it, the gradients only wait for the barrier). No data moves between the processes."""
+
+    class LockstepSequential(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x, y, y_pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            passed = tf.numpy_function(barrier.passed, [], tf.int64, stateful=True)
+            with tf.control_dependencies([passed]):
+                grads = [tf.identity(g) for g in grads]
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return self.compute_metrics(x, y, y_pred, None)
+
+    return _model(keras, LockstepSequential)
+
+
 def paired_worker(steps, blocks, out):
-    """The ``paired`` job: in the same N processes (under ``tfcs-run``), blocks of CommStrategy
-    training and blocks of the ceiling (each process trains a model of its own, no strategy, no
-    communication: N independent trainings at the same time) take turns, the order reversed every
-    other pair. Both ranks start every block together (a barrier, outside the timed window)."""
+    """The ``paired`` job: in the same N processes (under ``tfcs-run``), blocks of CommStrategy training,
+    blocks of the ceiling (each process trains a model of its own, no strategy, no communication: N
+    independent trainings at the same time) and lockstep blocks (the ceiling's model, every process
+    waiting for the others in each step: ``_lockstep_model``) take turns, the order rotated from
+    one round of blocks to the next. Both ranks start every block together (a barrier, outside the timed
+    window)."""
     np, tf, keras, rank = _tf_setup()
     import tf_commstrategy as tfcs
     strategy = _comm_strategy()
@@ -149,40 +231,50 @@ def paired_worker(steps, blocks, out):
     with strategy.scope():
         model_t = _model(keras)
     model_c = _model(keras)  # outside the scope: TensorFlow's default strategy, this process alone
-    jobs = {"tfcs": (model_t, _dataset(np, tf, rank, PER_WORKER_BATCH * n)),
-            "ceiling": (model_c, _dataset(np, tf, rank, PER_WORKER_BATCH))}
+    barrier = StepBarrier(tfcs, np, rank, n)
+    ds_c = _dataset(np, tf, rank, PER_WORKER_BATCH)
+    jobs = {"tfcs": (model_t, _dataset(np, tf, rank, PER_WORKER_BATCH * n)), "ceiling": (model_c, ds_c),
+            "lockstep": (_lockstep_model(keras, tf, barrier), ds_c)}
     for model, ds in jobs.values():
         model.fit(ds, epochs=1, steps_per_epoch=20, verbose=0)  # warm-up: tracing, first collectives
     rows = []
     for i in range(blocks):
-        order = ("tfcs", "ceiling") if i % 2 == 0 else ("ceiling", "tfcs")
+        order = PAIRED_JOBS[i % 3:] + PAIRED_JOBS[:i % 3]
         row = {"order": list(order)}
         for job in order:
             tfcs.barrier()
             model, ds = jobs[job]
-            # the collectives' time counted in both jobs: the ceiling's blocks must show none
-            row[job] = _timed_fit(keras, model, ds, steps, lambda: _comm_counters("tfcs"))
+            # the collectives' time counted in every job: only the strategy's blocks may show any (and
+            # only the lockstep blocks barrier waits)
+            row[job] = _timed_fit(keras, model, ds, steps,
+                                  lambda: dict(_comm_counters("tfcs"), barrier_wait_s=barrier.wait_s))
         rows.append(row)
-    # every rank's ceiling blocks: the ceiling's samples/s is the sum over the N independent trainings
-    walls = tfcs.allgather(np.array([[r["ceiling"]["wall_s"] for r in rows]], dtype=np.float64))
+    tfcs.barrier()
+    barrier.close(rank)
+    # every rank's walls: the ceiling's (and lockstep's) samples/s is the sum over the N trainings
+    for job in ("ceiling", "lockstep"):
+        walls = tfcs.allgather(np.array([[r[job]["wall_s"] for r in rows]], dtype=np.float64))
+        for i, r in enumerate(rows):
+            r[job]["rank_wall_s"] = [float(w) for w in walls[:, i]]
+            r[job]["samples_per_s"] = sum(PER_WORKER_BATCH * steps / w for w in walls[:, i])
     # every rank's waits inside the tfcs blocks' all-reduce: a rank that always waits less is the slower one
     waits = tfcs.allgather(np.array([[r["tfcs"].get("wait_s", 0.0) for r in rows]], dtype=np.float64))
     for i, r in enumerate(rows):
-        r["ceiling"]["rank_wall_s"] = [float(w) for w in walls[:, i]]
         r["tfcs"]["rank_wait_s"] = [float(w) for w in waits[:, i]]
-        r["ceiling"]["samples_per_s"] = sum(PER_WORKER_BATCH * steps / w for w in walls[:, i])
         r["tfcs"]["samples_per_s"] = PER_WORKER_BATCH * n * steps / r["tfcs"]["wall_s"]
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"mode": "paired", "blocks": rows, "global_batch": PER_WORKER_BATCH * n,
+                       "lockstep_barriers": barrier.count,  # every lockstep step passed one, warm-up included
                        "params": model_t.count_params(), "steps": steps,
                        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
                        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads()}, f)
 
 
-def paired_ratios(result):
-    """Each block pair's tfcs / ceiling samples/s, in block order."""
-    return [b["tfcs"]["samples_per_s"] / b["ceiling"]["samples_per_s"] for b in result["blocks"]]
+def paired_ratios(result, num="tfcs", den="ceiling"):
+    """Each round of blocks' ``num`` / ``den`` samples/s (default tfcs / ceiling), in block order; empty
+    where the result has no ``num`` or ``den`` blocks (the lockstep job is newer than some saved runs)."""
+    return [b[num]["samples_per_s"] / b[den]["samples_per_s"] for b in result["blocks"] if num in b and den in b]
 
 
 def _comm_counters(mode):
@@ -274,30 +366,42 @@ def summarize(rounds, workers, steps):
         lines.append(f"| {j} | {pools} | {med[j]:,.0f} | {1e3 * PER_WORKER_BATCH * workers / med[j]:.1f} ms "
                      f"| {each} |")
     if "paired" in jobs:
-        lines += ["", "paired job: CommStrategy and the ceiling in the same processes, taking turns in blocks of "
-                  f"{steps} steps (ratio tfcs / ceiling of each block pair)", "",
-                  "| round | tfcs samples/s (blocks) | ceiling samples/s (blocks) | tfcs / ceiling per pair | median |",
-                  "|---|---|---|---|---|"]
+        lock = all("lockstep" in b for r in rounds for b in r["paired"]["blocks"])
+        lines += ["", "paired job: CommStrategy, the ceiling" + (" and the lockstep ceiling" if lock else "") +
+                  f" in the same processes, taking turns in blocks of {steps} steps (ratios within each round of "
+                  "blocks)", "",
+                  "| round | tfcs samples/s (blocks) | ceiling samples/s (blocks) | tfcs / ceiling | median |" +
+                  (" lockstep / ceiling | tfcs / lockstep | median |" if lock else ""),
+                  "|---|---|---|---|---|" + ("---|---|---|" if lock else "")]
         for i, r in enumerate(rounds, 1):
             blocks, ratios = r["paired"]["blocks"], paired_ratios(r["paired"])
-            lines.append(f"| {i} | " + ", ".join(f"{b['tfcs']['samples_per_s']:,.0f}" for b in blocks) + " | " +
-                         ", ".join(f"{b['ceiling']['samples_per_s']:,.0f}" for b in blocks) + " | " +
-                         ", ".join(f"{x:.2f}" for x in ratios) + f" | {statistics.median(ratios):.2f} |")
+            row = (f"| {i} | " + ", ".join(f"{b['tfcs']['samples_per_s']:,.0f}" for b in blocks) + " | " +
+                   ", ".join(f"{b['ceiling']['samples_per_s']:,.0f}" for b in blocks) + " | " +
+                   ", ".join(f"{x:.2f}" for x in ratios) + f" | {statistics.median(ratios):.2f} |")
+            if lock:
+                sync = paired_ratios(r["paired"], "lockstep", "ceiling")
+                own = paired_ratios(r["paired"], "tfcs", "lockstep")
+                row += (" " + ", ".join(f"{x:.2f}" for x in sync) + " | " + ", ".join(f"{x:.2f}" for x in own) +
+                        f" | {statistics.median(own):.2f} |")
+            lines.append(row)
         blocks = [b for r in rounds for b in r["paired"]["blocks"]]
         per_step = lambda key, job="tfcs": statistics.median(  # noqa: E731
             1e3 * b[job].get(key, 0.0) / b[job]["steps"] for b in blocks)
         lines.append(f"\nper step (rank 0, median over blocks): tfcs {per_step('wall_s'):.2f} ms, ceiling "
-                     f"{per_step('wall_s', 'ceiling'):.2f} ms; tfcs inside collectives {per_step('comm_s'):.2f} "
+                     f"{per_step('wall_s', 'ceiling'):.2f} ms" +
+                     (f", lockstep {per_step('wall_s', 'lockstep'):.2f} ms (of which waiting at its barrier "
+                      f"{per_step('barrier_wait_s', 'lockstep'):.2f} ms)" if lock else "") +
+                     f"; tfcs inside collectives {per_step('comm_s'):.2f} "
                      f"ms, of which waiting for the other ranks {per_step('wait_s'):.2f} ms")
         if all("rank_wait_s" in b["tfcs"] for b in blocks):
             rank_wait = lambda k: statistics.median(  # noqa: E731
                 1e3 * b["tfcs"]["rank_wait_s"][k] / b["tfcs"]["steps"] for b in blocks)
             lines.append("tfcs waiting for the other ranks per step, each rank (median over blocks): " + ", ".join(
                 f"rank {k} {rank_wait(k):.2f} ms" for k in range(len(blocks[0]["tfcs"]["rank_wait_s"]))))
-        everything = [x for r in rounds for x in paired_ratios(r["paired"])]
-        lines.append(f"all {len(everything)} pairs: median {statistics.median(everything):.2f}, "
-                     f"{min(everything):.2f}-{max(everything):.2f}, at least 0.9 in "
-                     f"{sum(x >= 0.9 for x in everything)}")
+        for num, den in (("tfcs", "ceiling"),) + ((("lockstep", "ceiling"), ("tfcs", "lockstep")) if lock else ()):
+            every = [x for r in rounds for x in paired_ratios(r["paired"], num, den)]
+            lines.append(f"{num} / {den}, all {len(every)} rounds of blocks: median {statistics.median(every):.2f}, "
+                         f"{min(every):.2f}-{max(every):.2f}, at least 0.9 in {sum(x >= 0.9 for x in every)}")
         if "mwms" in jobs:
             lines.append("paired tfcs (median block) / mwms per round: " + ", ".join(
                 f"{r['paired']['samples_per_s'] / r['mwms']['samples_per_s']:.2f}x" for r in rounds))

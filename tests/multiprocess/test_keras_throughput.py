@@ -5,8 +5,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+
+from tests.helpers import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "keras_throughput.py")
@@ -21,16 +24,22 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
                         "--modes", "paired", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "tfcs / ceiling per pair" in p.stdout
+    assert "| tfcs / ceiling | median | lockstep / ceiling | tfcs / lockstep | median |" in p.stdout
     job = json.loads(out.read_text())["rounds"][0]["paired"]
     blocks = job["blocks"]
-    assert [b["order"] for b in blocks] == [["tfcs", "ceiling"], ["ceiling", "tfcs"]]
+    # one barrier per step of the lockstep model: its 20 warm-up steps, then each block's fit call
+    assert job["lockstep_barriers"] == 20 + BLOCKS * (STEPS + 20)
+    assert [b["order"] for b in blocks] == [["tfcs", "ceiling", "lockstep"], ["ceiling", "lockstep", "tfcs"]]
     for b in blocks:
-        t, c = b["tfcs"], b["ceiling"]
-        assert t["steps"] == c["steps"] == STEPS
+        t, c, k = b["tfcs"], b["ceiling"], b["lockstep"]
+        assert t["steps"] == c["steps"] == k["steps"] == STEPS
         assert t["comm_s"] > 0  # the strategy's blocks all-reduce every step
         assert 0 <= t["wait_s"] <= t["comm_s"]  # waits for the other rank: part of the time in collectives
         assert c["comm_s"] == c["wait_s"] == 0  # the ceiling's blocks never enter a collective
+        assert k["comm_s"] == k["wait_s"] == 0  # nor do the lockstep blocks: they only wait at their barrier
+        assert t["barrier_wait_s"] == c["barrier_wait_s"] == 0 and 0 < k["barrier_wait_s"] < k["wall_s"]
+        assert len(k["rank_wall_s"]) == 2 and k["rank_wall_s"][0] == pytest.approx(k["wall_s"])
+        assert k["samples_per_s"] == pytest.approx(sum(64 * STEPS / w for w in k["rank_wall_s"]))
         # each rank's waits, gathered: rank 0's entry is its own counter
         assert len(t["rank_wait_s"]) == 2 and t["rank_wait_s"][0] == pytest.approx(t["wait_s"])
         assert all(w >= 0 for w in t["rank_wait_s"])
@@ -39,7 +48,52 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
         # sum of two independent trainings of 64 samples per step
         assert t["samples_per_s"] == pytest.approx(2 * 64 * STEPS / t["wall_s"])
         assert c["samples_per_s"] == pytest.approx(sum(64 * STEPS / w for w in c["rank_wall_s"]))
-    ratios = [b["tfcs"]["samples_per_s"] / b["ceiling"]["samples_per_s"] for b in blocks]
-    assert "tfcs / ceiling per pair" in p.stdout and f"{ratios[0]:.2f}, {ratios[1]:.2f}" in p.stdout
+    for num, den in (("tfcs", "ceiling"), ("lockstep", "ceiling"), ("tfcs", "lockstep")):
+        ratios = [b[num]["samples_per_s"] / b[den]["samples_per_s"] for b in blocks]
+        assert f"{ratios[0]:.2f}, {ratios[1]:.2f}" in p.stdout, (num, den)
+        assert f"{num} / {den}, all 2 rounds of blocks: median " in p.stdout
     assert "of which waiting for the other ranks" in p.stdout
     assert "each rank (median over blocks): rank 0 " in p.stdout and ", rank 1 " in p.stdout
+
+
+def _barrier_worker(rank, size, late, deadline):
+    import numpy as np
+
+    import tf_commstrategy as tfcs
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import keras_throughput
+    tfcs.init()
+    barrier = keras_throughput.StepBarrier(tfcs, np, rank, size)
+    barrier.DEADLINE_S = deadline
+    waits = []
+    try:
+        for step in range(3):
+            if rank == 1 and step == 1:
+                time.sleep(late)  # rank 1 comes late to the second barrier
+                if late > deadline:
+                    return waits, barrier.path
+            t0 = time.perf_counter()
+            barrier.wait()
+            waits.append(time.perf_counter() - t0)
+    finally:
+        tfcs.barrier()  # rank 0 removes the page once every rank is done with it
+        barrier.close(rank)
+    return waits, barrier.path
+
+
+@pytest.mark.timeout(120)
+def test_the_lockstep_barrier_holds_every_rank_until_the_last_arrives():
+    (w0, path), (w1, path1) = run_workers(_barrier_worker, 2, 0.6, 60.0, timeout=100)
+    assert path == path1 and path.startswith("/dev/shm/tfcs-bench-lockstep-")
+    assert not os.path.exists(path)  # removed by rank 0 at the end
+    assert len(w0) == len(w1) == 3
+    assert w0[1] >= 0.5  # rank 0 waited for the late rank 1
+    assert w1[1] < 0.5  # rank 1, the last to arrive, passed at once
+
+
+@pytest.mark.timeout(120)
+def test_the_lockstep_barrier_gives_up_at_its_deadline():
+    res = run_workers(_barrier_worker, 2, 3.0, 1.0, timeout=100, expect_failure=True)
+    kind, err = res[0]
+    assert kind == "error" and err[0] == "RuntimeError" and "not reached by every rank within 1 s" in err[1]
+    assert res[1][0] == "ok"
