@@ -118,7 +118,10 @@ def _failing(rank, size, how):
     t0 = time.monotonic()
     try:
         with tfcs.unwrap_errors():
-            step(tf.ones([n]))
+            if rank == 1 and how == "diverged":  # a collective of the Python path instead of the strategy's
+                tfcs.allreduce(np.ones(3))
+            else:
+                step(tf.ones([n]))
         return "no error", time.monotonic() - t0
     except tfcs.TfcsError as e:
         after = None
@@ -135,6 +138,18 @@ def test_different_tensors_raise_a_mismatch_on_every_rank_at_once():
         assert cls == "CollectiveMismatchError", msg
         assert took < 10, took  # long before the 30 s deadline
         assert after is not None
+
+
+def test_ranks_in_different_collectives_raise_a_mismatch_on_every_rank_long_before_the_deadline():
+    # rank 0 in the compiled all-reduce, rank 1 in an all-reduce of the Python path: neither can finish;
+    # after DIVERGE_S (5 s) of both waiting, each rank names the other's collective
+    res = run_workers(_failing, 2, "diverged", timeout=120)
+    for rank, (cls, took, msg, after) in enumerate(res):
+        assert cls == "CollectiveMismatchError", msg
+        assert 4.5 < took < 15, took  # the 30 s deadline is far off
+        assert "different collectives" in msg and f"rank {1 - rank}" in msg
+        assert after is not None  # the group is unusable afterwards
+    assert "compiled all-reduce" in res[1][2]  # rank 1 names where rank 0 is
 
 
 def test_a_rank_that_never_calls_is_a_timeout_at_the_deadline():
@@ -192,6 +207,9 @@ def test_typed_errors_from_the_ops_tags():
                       errors.CollectiveTimeoutError)
     assert isinstance(typed_error(op_error(tf.errors.FailedPreconditionError, "[tfcs-native:failed] rank 0: x")),
                       errors.CollectiveError)
+    e = typed_error(op_error(tf.errors.FailedPreconditionError, "[tfcs-native:diverged:1] rank 0: rank 1 has "
+                                                                "been in another collective"))
+    assert isinstance(e, errors.CollectiveMismatchError) and e.remote_rank == 1 and e.rank == 0
     assert typed_error(op_error(tf.errors.InternalError, "something else")) is None
 
 

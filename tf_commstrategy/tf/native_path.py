@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import time
 import weakref
 from typing import List, Optional
 
@@ -48,7 +49,9 @@ SLOT_BYTES = 4 << 20  # each rank's two slots: a step's gradients in pieces of a
 STATE_SHUTDOWN, STATE_FAILED = 1, 5  # the op's kShutdown, kFailed
 _TAG = re.compile(r"\[tfcs-native:(\w+)(?::(\d+))?\]\s*")
 _STATES = {2: "ranks passed different tensors", 3: "timed out", 4: "a peer process died",
-           5: "the process group failed"}
+           5: "the process group failed", 6: "the ranks called different collectives"}
+#: a rank inside this op and a peer inside a Python-path collective, both for this long: they diverged
+DIVERGE_S = 5.0
 _kept: List[object] = []  # every segment this process mapped: never unmapped while it lives (see above)
 _by_group: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _attempts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -73,6 +76,10 @@ class NativeAllReduce:
         self._calls = _word(group.size, group.rank, line_kind=3, offset=2)
         self._busy_ns = _word(group.size, group.rank, line_kind=3, offset=3)
         self._wait_ns = _word(group.size, group.rank, line_kind=3, offset=4)
+        # since when each rank is inside this op (the op writes it), and this rank in a Python-path collective
+        self._native_since = [_word(group.size, r, line_kind=3, offset=5) for r in range(group.size)]
+        self._python_since = _word(group.size, group.rank, line_kind=3, offset=6)
+        self.diverge_s = DIVERGE_S
 
     # -- set-up ----------------------------------------------------------------------------------
     @classmethod
@@ -110,6 +117,7 @@ class NativeAllReduce:
                 group.add_close_hook(native.close)
                 group.add_failure_hook(native.fail)
                 group.add_failure_source(native.error)
+                group.add_collective_watch(native)
                 if rank == 0:
                     log.info("tf_commstrategy: the strategy's all-reduce runs as a compiled op through shared "
                              "memory (%d ranks on one host)", size)
@@ -205,7 +213,7 @@ class NativeAllReduce:
                 return list(self._lib.tfcs_shm_all_reduce(
                     inputs=list(tensors), addr=self._seg.addr, rank=self.group.rank, size=self.group.size,
                     header_bytes=self.header_bytes, capacity=self.capacity, pids=self._pids, timeout=timeout,
-                    spin_us=self._spin_us, mean=bool(mean)))
+                    spin_us=self._spin_us, mean=bool(mean), diverge_s=float(self.diverge_s)))
             except tf.errors.OpError as e:  # eagerly: the typed error now, and the group is unusable
                 ours = typed_error(e)
                 if ours is None:
@@ -213,6 +221,35 @@ class NativeAllReduce:
                 if not isinstance(ours, NotInitializedError):
                     self.group.abort(ours)
                 raise ours from e
+
+    # -- the collective watch of the Python path (ProcessGroup.add_collective_watch) ----------------
+    def python_enter(self) -> None:
+        """This rank enters a collective of the Python path: the op of a peer that waits for this rank's
+        data all the while reports the ranks as diverged (``DIVERGE_S``)."""
+        self._words[self._python_since] = time.monotonic_ns()
+
+    def python_leave(self) -> None:
+        self._words[self._python_since] = 0
+
+    def python_problem(self, seq: int, sig: str) -> Optional[CollectiveMismatchError]:
+        """While this rank waits in Python-path collective ``seq`` [``sig``]: the error to raise when a
+        peer has been inside the compiled all-reduce for ``DIVERGE_S`` s and this rank here as long."""
+        now = time.monotonic_ns()
+        mine = int(self._words[self._python_since])
+        limit = int(self.diverge_s * 1e9)
+        if mine == 0 or now - mine < limit:
+            return None
+        for p, word in enumerate(self._native_since):
+            since = int(self._words[word]) if p != self.group.rank else 0
+            if since and now - since >= limit:
+                return CollectiveMismatchError(
+                    f"collective #{seq} [{sig}] waited {(now - mine) * 1e-9:.1f} s for rank {p}, which has been "
+                    f"in the compiled all-reduce of the strategy's gradients for {(now - since) * 1e-9:.1f} s: the "
+                    f"ranks called different collectives", rank=self.group.rank, seq=seq, local_signature=sig,
+                    remote_signature="the strategy's gradient all-reduce (compiled)", remote_rank=p,
+                    fix="every rank must issue the same collectives in the same order; look for a collective "
+                        "(or a callback, metric or strategy.run) that only some ranks call")
+        return None
 
     def calls(self) -> int:
         """How many calls this rank has made (the op counts them in the segment)."""
@@ -263,7 +300,7 @@ class NativeAllReduce:
 def _word(size: int, rank: int, line_kind: int, offset: int = 0) -> int:
     """Index (in uint64 words) of ``rank``'s word ``offset`` in line ``line_kind`` of the op's header:
     64-byte lines, ``size`` of each kind (0 ready, 1 done, 2 state, 3 signatures and counters: calls at
-    offset 2, busy_ns at 3, wait_ns at 4)."""
+    offset 2, busy_ns at 3, wait_ns at 4, native_since at 5, python_since at 6)."""
     return (line_kind * size + rank) * 8 + offset
 
 
@@ -289,6 +326,11 @@ def typed_error(error: BaseException) -> Optional[TfcsError]:
     if kind == "mismatch":
         return CollectiveMismatchError(message, rank=rank, fix="every rank must issue the same collectives in "
                                                                "the same order with the same tensors")
+    if kind == "diverged":
+        return CollectiveMismatchError(message, rank=rank, remote_rank=int(who) if who else None,
+                                       fix="every rank must issue the same collectives in the same order; look "
+                                           "for a collective (or a callback, metric or strategy.run) that only "
+                                           "some ranks call")
     if kind == "peer_lost":
         return PeerLostError(message, rank=rank, peer_rank=int(who) if who else None,
                              fix="see that rank's log for why it died")

@@ -247,6 +247,9 @@ class GrpcRingBackend(Backend):
             link = CollectiveLink(self, self._ring, seq, sig, t0 + timeout, timeout)
             if self._fusion is not None:
                 self._fusion.enter(seq, sig)
+            watches = getattr(self.group, "collective_watches", ())
+            for w in watches:
+                w.python_enter()
             try:
                 result = body(link)
                 link.finish()
@@ -265,6 +268,8 @@ class GrpcRingBackend(Backend):
                 self._fail(err, notify_peers=True)
                 raise err from e
             finally:
+                for w in watches:
+                    w.python_leave()
                 self._busy_s += time.monotonic() - t0
 
     def _reported_cause(self, error: BaseException) -> BaseException:
@@ -354,7 +359,7 @@ class GrpcRingBackend(Backend):
         def body(link):
             if link is not None and self._fusion is not None:
                 self._fusion.allreduce([flat if src is None else src], [flat], op, link.seq, sig, link.deadline,
-                                       abort=self.mailbox.error_now, on_timeout=link.timeout_error)
+                                       abort=link.abort_now, on_timeout=link.timeout_error)
                 return flat
             if link is not None and self.hierarchical:
                 return self._hierarchical_allreduce(link, flat, op, ce, src)
@@ -414,7 +419,7 @@ class GrpcRingBackend(Backend):
 
         def body(link):
             if self._fusion is not None:
-                self._fusion.allreduce(bufs, outs, op, link.seq, sig, link.deadline, abort=self.mailbox.error_now,
+                self._fusion.allreduce(bufs, outs, op, link.seq, sig, link.deadline, abort=link.abort_now,
                                        on_timeout=link.timeout_error)
                 return outs
             # The ring reads the large inputs and writes the large outputs where they are (its chunks are

@@ -44,10 +44,21 @@ class CollectiveLink:
         return sub
 
     def _abort(self):
-        """What a wait of this collective must raise now: another rank's reported failure, or (with
-        shared all-reduce buffers) a peer that entered this collective under another signature."""
+        """What a wait of this collective must raise now: another rank's reported failure, (with shared
+        all-reduce buffers) a peer that entered this collective under another signature, or a peer that
+        has long been inside a collective of a layer above instead (``ProcessGroup.add_collective_watch``)."""
         fusion = self._b.fusion
-        return self._b.mailbox.error_now() or (fusion.conflict(self._seq, self._sig_text) if fusion else None)
+        return (self._b.mailbox.error_now() or (fusion.conflict(self._seq, self._sig_text) if fusion else None)
+                or self._watched())
+
+    abort_now = _abort  # for the shared-buffer all-reduce's waits
+
+    def _watched(self):
+        for w in getattr(self._b.group, "collective_watches", ()):
+            problem = w.python_problem(self._seq, self._sig_text)
+            if problem is not None:
+                return problem
+        return None
 
     @property
     def seq(self) -> int:

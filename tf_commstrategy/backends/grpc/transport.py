@@ -130,18 +130,19 @@ def remote_error(rank: int, origin: int, kind: str, message: str, peer: Optional
     """The error this rank raises when rank ``origin`` reports its own: the same class for the
     failures every rank shares (a lost peer, a timeout, a mismatch), else CollectiveAbortedError."""
     seen = f"reported by rank {origin}: {message}"
+    which = f"collective #{seq}" if seq is not None else "a collective"  # a layer's own (compiled) has none
     if kind == "PeerLostError" and peer is not None and peer != rank:
         return PeerLostError(f"rank {peer} ({describe(peer)}) was lost ({seen})", rank=rank, seq=seq,
                              peer_rank=peer, peer_address=describe(peer),
                              fix=f"look at rank {peer}'s host and log; restart the job (tfcs-run --max-restarts)")
     if kind == "CollectiveTimeoutError":
         names = ", ".join(f"rank {w} ({describe(w)})" for w in waiting_for) or "?"
-        return CollectiveTimeoutError(f"collective #{seq} timed out; not arrived: {names} ({seen})", rank=rank,
+        return CollectiveTimeoutError(f"{which} timed out; not arrived: {names} ({seen})", rank=rank,
                                       seq=seq, waiting_for=waiting_for,
                                       fix="see the not-arrived ranks' logs; they are stuck, stopped or took "
                                           "another code path (or raise TFCS_TIMEOUT)")
     if kind == "CollectiveMismatchError":
-        return CollectiveMismatchError(f"collective #{seq}: ranks called different collectives ({seen})",
+        return CollectiveMismatchError(f"{which}: ranks called different collectives ({seen})",
                                        rank=rank, seq=seq, remote_rank=origin,
                                        fix="every rank must issue the same collectives in the same order with "
                                            "the same op, dtype, shape and root")

@@ -13,10 +13,13 @@
 //   line [1 * size + r]  done[r]:  the generation rank r has finished reading every slot for
 //   line [2 * size + r]  state[r]: 0 while healthy, else why rank r stopped (kShutdown, kMismatch, ...;
 //                        kFailed: set by Python when the process group failed, so a waiting call ends)
-//   line [3 * size + r]  sig[r][2], calls[r], busy_ns[r], wait_ns[r]: the signatures of rank r's pieces
-//                        in slot 0 and 1 (a rank may publish generation g + 1 while a peer still checks
-//                        g); its calls so far; the nanoseconds they took; the part of those spent
-//                        waiting for peers (a peer's data not there yet, or a slot still being read)
+//   line [3 * size + r]  sig[r][2], calls[r], busy_ns[r], wait_ns[r], native_since[r], python_since[r]:
+//                        the signatures of rank r's pieces in slot 0 and 1 (a rank may publish
+//                        generation g + 1 while a peer still checks g); its calls so far; the nanoseconds
+//                        they took; the part of those spent waiting for peers (a peer's data not there
+//                        yet, or a slot still being read); since when (CLOCK_MONOTONIC ns, 0: not) rank
+//                        r is inside this op, and (written by Python) inside a collective of the
+//                        tf_commstrategy Python path
 //   data at header_bytes: rank r's two slots of `capacity` bytes (generation g uses slot g & 1)
 //
 // One generation per piece of at most `capacity` bytes of the concatenated inputs: each rank copies
@@ -25,9 +28,12 @@
 // bits) and publishes done. A slot is rewritten only after every peer's done reached g - 2.
 //
 // Every wait has a deadline, watches every peer's state word (a peer that stopped fails this call at
-// once), and checks every 50 ms that the peers' processes are alive. Errors carry a tag that
-// tf_commstrategy turns into its typed errors: "[tfcs-native:timeout]", "[tfcs-native:mismatch]",
-// "[tfcs-native:peer_lost:R]", "[tfcs-native:aborted:R]", "[tfcs-native:shutdown]".
+// once), and checks every 50 ms that the peers' processes are alive, and whether a peer has been inside
+// a collective of the Python path for `diverge_s` seconds while this call has waited as long: the ranks
+// then called different collectives, which no deadline short of the timeout would report. Errors carry
+// a tag that tf_commstrategy turns into its typed errors: "[tfcs-native:timeout]",
+// "[tfcs-native:mismatch]", "[tfcs-native:diverged:R]", "[tfcs-native:peer_lost:R]",
+// "[tfcs-native:aborted:R]", "[tfcs-native:shutdown]".
 #include <errno.h>
 #include <sched.h>
 #include <stdio.h>
@@ -64,6 +70,7 @@ REGISTER_OP("TfcsShmAllReduce")
     .Attr("timeout: float")
     .Attr("spin_us: int")
     .Attr("mean: bool = false")
+    .Attr("diverge_s: float = 5.0")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
@@ -72,9 +79,13 @@ REGISTER_OP("TfcsShmAllReduce")
 
 namespace {
 
-constexpr uint64_t kShutdown = 1, kMismatch = 2, kTimeout = 3, kPeerLost = 4, kFailed = 5;
+constexpr uint64_t kShutdown = 1, kMismatch = 2, kTimeout = 3, kPeerLost = 4, kFailed = 5, kDiverged = 6;
 
-using Clock = std::chrono::steady_clock;
+using Clock = std::chrono::steady_clock;  // CLOCK_MONOTONIC: Python's time.monotonic_ns() reads the same
+
+uint64_t MonotonicNs(Clock::time_point t) {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+}
 
 class Segment {
  public:
@@ -90,6 +101,8 @@ class Segment {
   std::atomic<uint64_t>* calls(int r) const { return line(3, r) + 2; }
   std::atomic<uint64_t>* busy_ns(int r) const { return line(3, r) + 3; }
   std::atomic<uint64_t>* wait_ns(int r) const { return line(3, r) + 4; }
+  std::atomic<uint64_t>* native_since(int r) const { return line(3, r) + 5; }
+  std::atomic<uint64_t>* python_since(int r) const { return line(3, r) + 6; }
   char* slot(int r, uint64_t gen, int64_t capacity) const {
     return base_ + header_ + (int64_t(r) * 2 + int64_t(gen & 1)) * capacity;
   }
@@ -135,6 +148,7 @@ const char* StoppedBecause(uint64_t st) {
     case kTimeout: return "timed out in an all-reduce";
     case kPeerLost: return "lost a peer process";
     case kFailed: return "failed (see its log)";
+    case kDiverged: return "found that the ranks called different collectives (see its log)";
     default: return "stopped";
   }
 }
@@ -167,9 +181,10 @@ class ShmAllReduceOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout", &timeout_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("spin_us", &spin_us_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("mean", &mean_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("diverge_s", &diverge_s_));
     OP_REQUIRES(ctx, addr != 0 && size_ >= 2 && rank_ >= 0 && rank_ < size_ &&
                          int(pids_.size()) == size_ && capacity_ >= 64 && capacity_ % 64 == 0 &&
-                         header_ >= 64 * 4 * size_,
+                         header_ >= 64 * 4 * size_ && diverge_s_ > 0,
                 errors::InvalidArgument("[tfcs-native:config] inconsistent attributes"));
     seg_ = new Segment(reinterpret_cast<char*>(addr), size_, header_);
   }
@@ -204,6 +219,7 @@ class ShmAllReduceOp : public OpKernel {
       OpKernelContext* ctx;
       const int64_t& waited;
       ~Exit() {
+        s.native_since(rank)->store(0, std::memory_order_release);
         s.busy_ns(rank)->fetch_add(
             uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()),
             std::memory_order_relaxed);
@@ -212,6 +228,7 @@ class ShmAllReduceOp : public OpKernel {
         if (!ctx->status().ok()) s.state(rank)->compare_exchange_strong(healthy, kFailed, std::memory_order_acq_rel);
       }
     } exit{s, rank_, entered, ctx, waited_ns_};
+    s.native_since(rank_)->store(MonotonicNs(entered), std::memory_order_release);
     s.calls(rank_)->fetch_add(1, std::memory_order_relaxed);
     for (int i = 0; i < n; ++i) {
       const Tensor& t = ctx->input(i);
@@ -349,6 +366,23 @@ class ShmAllReduceOp : public OpKernel {
           }
           return false;
         }
+        if (std::chrono::duration<double>(now - entered).count() >= diverge_s_) {
+          // a peer inside a Python-path collective all this time does not come to this one
+          const uint64_t now_ns = MonotonicNs(now);
+          for (int p = 0; p < size_; ++p) {
+            const uint64_t since = p == rank_ ? 0 : s.python_since(p)->load(std::memory_order_acquire);
+            if (since != 0 && now_ns > since && double(now_ns - since) * 1e-9 >= diverge_s_) {
+              s.state(rank_)->store(kDiverged, std::memory_order_release);
+              const auto tenths = [](uint64_t ns) { return double(ns / 100000000) / 10; };  // 0.1 s
+              ctx->SetStatus(errors::FailedPrecondition(
+                  "[tfcs-native:diverged:", p, "] rank ", rank_, ": this rank waited ",
+                  tenths(now_ns - MonotonicNs(entered)), " s in the compiled all-reduce of the strategy's "
+                  "gradients while rank ", p, " has been in another collective (tf_commstrategy's Python "
+                  "path) for ", tenths(now_ns - since), " s: the ranks called different collectives"));
+              return false;
+            }
+          }
+        }
         if (std::chrono::duration<double>(now - entered).count() >= timeout_) {
           s.state(rank_)->store(kTimeout, std::memory_order_release);
           ctx->SetStatus(errors::DeadlineExceeded(
@@ -368,6 +402,7 @@ class ShmAllReduceOp : public OpKernel {
   int64_t header_ = 0, capacity_ = 0;
   std::vector<int64_t> pids_;
   float timeout_ = 0;
+  float diverge_s_ = 5;
   int spin_us_ = 0;
   bool mean_ = false;
   int64_t waited_ns_ = 0;  // this call's time in Wait() so far
