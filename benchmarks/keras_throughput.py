@@ -144,7 +144,8 @@ class StepBarrier:
     """The lockstep blocks' barrier: every rank writes how many barriers it has reached into its own word of
     a shared-memory page and waits until every word has reached that count (yielding the CPU for up to 1
     ms, then sleeping 50 us at a time, as the compiled all-reduce waits). No data moves, so its cost is
-    what lockstep itself costs. Rank 0 makes the page (a random name, broadcast) and removes it."""
+    what lockstep itself costs. Rank 0 makes the page (a random name, broadcast) and removes its name as
+    soon as every rank has mapped it, so a killed job leaves nothing in /dev/shm."""
 
     DEADLINE_S = 120.0
 
@@ -165,6 +166,9 @@ class StepBarrier:
         os.close(fd)
         self._words = np.frombuffer(self._mm, dtype=np.uint64, count=n)
         self.rank, self.count, self.wait_s, self._np = rank, 0, 0.0, np
+        tfcs.barrier()  # every rank has the page mapped: its name can go
+        if rank == 0:
+            os.unlink(self.path)
 
     def wait(self):
         self.count += 1
@@ -189,8 +193,6 @@ class StepBarrier:
     def close(self, rank):
         del self._words
         self._mm.close()
-        if rank == 0:
-            os.unlink(self.path)
 
 
 PAIRED_JOBS = ("tfcs", "ceiling", "lockstep")
@@ -249,7 +251,6 @@ def paired_worker(steps, blocks, out):
             row[job] = _timed_fit(keras, model, ds, steps,
                                   lambda: dict(_comm_counters("tfcs"), barrier_wait_s=barrier.wait_s))
         rows.append(row)
-    tfcs.barrier()
     barrier.close(rank)
     # every rank's walls: the ceiling's (and lockstep's) samples/s is the sum over the N trainings
     for job in ("ceiling", "lockstep"):

@@ -65,27 +65,29 @@ def _barrier_worker(rank, size, late, deadline):
     tfcs.init()
     barrier = keras_throughput.StepBarrier(tfcs, np, rank, size)
     barrier.DEADLINE_S = deadline
+    tfcs.barrier()  # rank 0 has left the constructor too
+    named = os.path.exists(barrier.path)  # the name is gone once every rank mapped the page
     waits = []
     try:
         for step in range(3):
             if rank == 1 and step == 1:
                 time.sleep(late)  # rank 1 comes late to the second barrier
                 if late > deadline:
-                    return waits, barrier.path
+                    return waits, barrier.path, named
             t0 = time.perf_counter()
             barrier.wait()
             waits.append(time.perf_counter() - t0)
     finally:
-        tfcs.barrier()  # rank 0 removes the page once every rank is done with it
+        tfcs.barrier()
         barrier.close(rank)
-    return waits, barrier.path
+    return waits, barrier.path, named
 
 
 @pytest.mark.timeout(120)
 def test_the_lockstep_barrier_holds_every_rank_until_the_last_arrives():
-    (w0, path), (w1, path1) = run_workers(_barrier_worker, 2, 0.6, 60.0, timeout=100)
+    (w0, path, named0), (w1, path1, named1) = run_workers(_barrier_worker, 2, 0.6, 60.0, timeout=100)
     assert path == path1 and path.startswith("/dev/shm/tfcs-bench-lockstep-")
-    assert not os.path.exists(path)  # removed by rank 0 at the end
+    assert not named0 and not named1 and not os.path.exists(path)  # no name left for a killed job to leak
     assert len(w0) == len(w1) == 3
     assert w0[1] >= 0.5  # rank 0 waited for the late rank 1
     assert w1[1] < 0.5  # rank 1, the last to arrive, passed at once
