@@ -24,9 +24,9 @@ run of each job:
   model of its own without a strategy (no collective: the ceiling); and a *lockstep* block, the
   ceiling's model with the processes waiting for each other in every step where CommStrategy
   all-reduces the gradients (a barrier on shared-memory words, no data exchanged): what synchronous
-  training costs before any gradient moves. Both ranks start each block together. The VM's speed drifts over seconds (see
-  docs/benchmarks.md), so jobs run one after the other can land in different phases; blocks taken
-  moments apart are compared. Reported per round of blocks.
+  training costs before any gradient moves. Both ranks start each block together. The VM's speed
+  drifts over seconds (see docs/benchmarks.md), so jobs run one after the other can land in different
+  phases; blocks taken moments apart are compared. Reported per round of blocks.
 
 Each worker trains a warm-up epoch, then ``--steps`` steps in one ``fit`` call. Samples/s are global and
 steady-state: from the start of step 20 of that call to the end of its last step (a callback notes the
@@ -78,8 +78,9 @@ def _comm_strategy():
 
 def _model(keras, cls=None):
     L = keras.layers
-    model = (cls or keras.Sequential)([L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(),
-                              L.Flatten(), L.Dense(128, activation="relu"), L.Dense(10)])
+    layers = [L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(), L.Flatten(),
+              L.Dense(128, activation="relu"), L.Dense(10)]
+    model = (cls or keras.Sequential)(layers)
     model.compile(optimizer="adam", metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -190,7 +191,7 @@ class StepBarrier:
         self.wait()
         return self._np.int64(self.count)
 
-    def close(self, rank):
+    def close(self):
         del self._words
         self._mm.close()
 
@@ -251,7 +252,7 @@ def paired_worker(steps, blocks, out):
             row[job] = _timed_fit(keras, model, ds, steps,
                                   lambda: dict(_comm_counters("tfcs"), barrier_wait_s=barrier.wait_s))
         rows.append(row)
-    barrier.close(rank)
+    barrier.close()
     # every rank's walls: the ceiling's (and lockstep's) samples/s is the sum over the N trainings
     for job in ("ceiling", "lockstep"):
         walls = tfcs.allgather(np.array([[r[job]["wall_s"] for r in rows]], dtype=np.float64))

@@ -79,7 +79,7 @@ def _barrier_worker(rank, size, late, deadline):
             waits.append(time.perf_counter() - t0)
     finally:
         tfcs.barrier()
-        barrier.close(rank)
+        barrier.close()
     return waits, barrier.path, named
 
 

@@ -52,6 +52,8 @@ _STATES = {2: "ranks passed different tensors", 3: "timed out", 4: "a peer proce
            5: "the process group failed", 6: "the ranks called different collectives"}
 #: a rank inside this op and a peer inside a Python-path collective, both for this long: they diverged
 DIVERGE_S = 5.0
+DIVERGED_FIX = ("every rank must issue the same collectives in the same order; look for a collective (or a callback, "
+                "metric or strategy.run) that only some ranks call")
 _kept: List[object] = []  # every segment this process mapped: never unmapped while it lives (see above)
 _by_group: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _attempts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -247,8 +249,7 @@ class NativeAllReduce:
                     f"in the compiled all-reduce of the strategy's gradients for {(now - since) * 1e-9:.1f} s: the "
                     f"ranks called different collectives", rank=self.group.rank, seq=seq, local_signature=sig,
                     remote_signature="the strategy's gradient all-reduce (compiled)", remote_rank=p,
-                    fix="every rank must issue the same collectives in the same order; look for a collective "
-                        "(or a callback, metric or strategy.run) that only some ranks call")
+                    fix=DIVERGED_FIX)
         return None
 
     def calls(self) -> int:
@@ -328,9 +329,7 @@ def typed_error(error: BaseException) -> Optional[TfcsError]:
                                                                "the same order with the same tensors")
     if kind == "diverged":
         return CollectiveMismatchError(message, rank=rank, remote_rank=int(who) if who else None,
-                                       fix="every rank must issue the same collectives in the same order; look "
-                                           "for a collective (or a callback, metric or strategy.run) that only "
-                                           "some ranks call")
+                                       fix=DIVERGED_FIX)
     if kind == "peer_lost":
         return PeerLostError(message, rank=rank, peer_rank=int(who) if who else None,
                              fix="see that rank's log for why it died")
