@@ -231,6 +231,19 @@ def tf_threads_from_env(environ=None) -> str:
     return env_value("TFCS_TF_THREADS", lambda s: s.strip().lower(), DEFAULT_TF_THREADS, environ)
 
 
+def heap_from_env(environ=None) -> str:
+    """``TFCS_HEAP``: whether ``CommStrategy`` keeps glibc's freed memory for the next step ("auto", the
+    default: raise the mmap and trim thresholds; "off": glibc's own adaptive thresholds).
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      The text, lower-cased (validated by the TF layer, which applies it).
+    """
+    return env_value("TFCS_HEAP", lambda s: s.strip().lower(), "auto", environ)
+
+
 #: The ring's data paths a job can ask for (docs/backends.md).
 TRANSPORTS = ("auto", "shm", "unix", "tcp", "grpc")
 

@@ -31,6 +31,7 @@ from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 from tensorflow.python.training import server_lib
 from tensorflow.python.trackable import base as trackable_base
 
+from .. import heap as heap_policy
 from .. import process
 from ..core.backend import normalize_backend_name
 from . import input_path, keras_compat, tensor_ops, threads
@@ -75,16 +76,19 @@ class CommStrategy(tf.distribute.MirroredStrategy):
         several workers share a host, each gets its share of the cores (``cores // local_size``);
         "off": TensorFlow's own sizes (every core, in every worker); or a number per pool. Applied
         only if no TensorFlow op ran before the strategy was built (see ``tf/threads.py``).
+      heap: "auto" (default, ``TFCS_HEAP``): glibc keeps the memory a training step frees for the next
+        step instead of returning it to the kernel and faulting it back in (see ``heap.py``); "off":
+        glibc's own thresholds. Left alone when ``MALLOC_*_`` variables or another allocator are set.
       **init_kwargs: passed to ``tf_commstrategy.init`` when the process group is not yet initialized.
 
     Raises:
-      ConfigurationError: an invalid ``tf_threads``; or from ``tf_commstrategy.init``.
+      ConfigurationError: an invalid ``tf_threads`` or ``heap``; or from ``tf_commstrategy.init``.
       RendezvousError: from ``tf_commstrategy.init``.
     """
 
     def __init__(self, devices: Optional[Sequence[str]] = None, backend: Optional[str] = None,
                  communication_options=None, sync_metrics: bool = True, timeout: Optional[float] = None,
-                 tf_threads=None, **init_kwargs):
+                 tf_threads=None, heap=None, **init_kwargs):
         wanted = init_kwargs.get("transport") or getattr(communication_options, "transport", None)
         if process.is_initialized() and set(init_kwargs) <= {"transport"}:
             # joined already (tfcs.init with whatever settings): timeout= is this strategy's deadline, and
@@ -99,6 +103,7 @@ class CommStrategy(tf.distribute.MirroredStrategy):
                 init_kwargs["transport"] = wanted  # the ring's data path is chosen when the job starts
             group = process.init(timeout=timeout, **init_kwargs)
         self._thread_plan = threads.configure(tf_threads, group.local_size, group.rank)  # before TF starts
+        self._heap_plan = heap_policy.configure(heap, group.rank)
         extended = CommExtended(self, devices, group, normalize_backend_name(backend), communication_options,
                                 sync_metrics)
         distribute_lib.Strategy.__init__(self, extended)
