@@ -13,11 +13,12 @@ run of each job:
 * ``tfcs-python`` (not in the default set): the same with ``TFCS_NATIVE=0``, the gradients through the
   ``tf.numpy_function`` path (concat, the ring over shared memory, split);
 * ``mwms``: N workers with TF_CONFIG and ``MultiWorkerMirroredStrategy(RING)``, TensorFlow's defaults;
-* ``mwms-pools``: the same with the thread pools CommStrategy would choose (``cores // N`` per pool),
-  so that the comparison does not rest on the thread setting alone;
+* ``mwms-pools``: the same with the process settings CommStrategy would choose: its thread pools
+  (``cores // N`` per pool) and its heap thresholds (``tf_commstrategy/heap.py``, as the ``MALLOC_*_``
+  variables), so that the comparison does not rest on those settings;
 * ``ceiling`` and ``ceiling-pools``: N independent single-process trainings at the same time (no
-  communication at all), with TF's default pools and with ``cores // N``; the better of the two is
-  the compute ceiling of this machine;
+  communication at all), with TF's defaults and with CommStrategy's process settings (as
+  ``mwms-pools``); the better of the two is the compute ceiling of this machine;
 * ``paired`` (not in the default set): tfcs and the ceiling in the SAME N processes under ``tfcs-run``,
   taking turns in blocks of ``--steps`` steps (``--blocks`` rounds of three blocks, the order rotated
   from one to the next): a block of CommStrategy training; a block in which each process trains a
@@ -37,6 +38,7 @@ For tfcs the time spent inside collectives (rank 0) gives the step-time split.
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -99,18 +101,23 @@ def _timed_fit(keras, model, ds, steps, counters=lambda: {}):
     call's time."""
     marks = {}
 
+    def usage():  # this process's page faults and CPU seconds (user, kernel) so far
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return {"minflt": r.ru_minflt, "user_s": r.ru_utime, "sys_s": r.ru_stime}
+
     class Clock(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if batch == SKIP:
                 marks["begin"] = time.perf_counter()
-                marks["counters"] = counters()
+                marks["counters"] = dict(counters(), **usage())
 
         def on_train_batch_end(self, batch, logs=None):
             marks["end"] = time.perf_counter()
+            marks["usage"] = usage()
 
     t0 = time.perf_counter()
     model.fit(ds, epochs=1, steps_per_epoch=steps + SKIP, verbose=0, callbacks=[Clock()])
-    grown = {k: v - marks["counters"][k] for k, v in counters().items()}
+    grown = {k: v - marks["counters"][k] for k, v in dict(counters(), **marks["usage"]).items()}
     return dict(grown, wall_s=marks["end"] - marks["begin"], fit_call_s=time.perf_counter() - t0,
                 fit_call_steps=steps + SKIP, steps=steps)
 
@@ -143,9 +150,10 @@ def worker(mode, steps, out):
 
 class StepBarrier:
     """The lockstep blocks' barrier: every rank writes how many barriers it has reached into its own word of
-    a shared-memory page and waits until every word has reached that count (yielding the CPU for up to 1
-    ms, then sleeping 50 us at a time, as the compiled all-reduce waits). No data moves, so its cost is
-    what lockstep itself costs. Rank 0 makes the page (a random name, broadcast) and removes its name as
+    a shared-memory page and waits until every word has reached that count, yielding the CPU in a loop
+    (never sleeping: on the 2-core VM a barrier that slept after 1 ms, as the compiled all-reduce does,
+    woke late and cost 5% more, docs/benchmarks.md). No data moves, so its cost is what lockstep itself
+    costs. Rank 0 makes the page (a random name, broadcast) and removes its name as
     soon as every rank has mapped it, so a killed job leaves nothing in /dev/shm."""
 
     DEADLINE_S = 120.0
@@ -176,11 +184,8 @@ class StepBarrier:
         self._words[self.rank] = self.count
         start = time.perf_counter()
         while self._words.min() < self.count:
-            waited = time.perf_counter() - start
-            if waited < 1e-3:
+            if time.perf_counter() - start < self.DEADLINE_S:
                 os.sched_yield()
-            elif waited < self.DEADLINE_S:
-                time.sleep(50e-6)
             else:
                 raise RuntimeError(f"rank {self.rank}: lockstep barrier {self.count} not reached by every rank "
                                    f"within {self.DEADLINE_S:g} s (words {self._words.tolist()})")
@@ -322,8 +327,11 @@ def run_mode(mode, n, steps, blocks=6):
                     fit_call_samples_per_s=statistics.median(
                         result["global_batch"] * b["tfcs"]["fit_call_steps"] / b["tfcs"]["fit_call_s"]
                         for b in result["blocks"]))
-    if mode.endswith("-pools"):
+    if mode.endswith("-pools"):  # CommStrategy's process settings: its pool sizes and heap thresholds
+        from tf_commstrategy import heap
         env["TFCS_BENCH_TF_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
+        if heap.plan("auto").apply:
+            env.update(MALLOC_MMAP_THRESHOLD_=str(heap.MMAP_BYTES), MALLOC_TRIM_THRESHOLD_=str(heap.TRIM_BYTES))
     if mode.startswith("tfcs"):
         transport = ["--transport", "grpc"] if mode == "tfcs-grpc" else []
         if mode == "tfcs-python":
@@ -369,6 +377,7 @@ def summarize(rounds, workers, steps):
                      f"| {each} |")
     if "paired" in jobs:
         lock = all("lockstep" in b for r in rounds for b in r["paired"]["blocks"])
+        paired_jobs = PAIRED_JOBS if lock else PAIRED_JOBS[:2]
         lines += ["", "paired job: CommStrategy, the ceiling" + (" and the lockstep ceiling" if lock else "") +
                   f" in the same processes, taking turns in blocks of {steps} steps (ratios within each round of "
                   "blocks)", "",
@@ -395,6 +404,12 @@ def summarize(rounds, workers, steps):
                       f"{per_step('barrier_wait_s', 'lockstep'):.2f} ms)" if lock else "") +
                      f"; tfcs inside collectives {per_step('comm_s'):.2f} "
                      f"ms, of which waiting for the other ranks {per_step('wait_s'):.2f} ms")
+        if all("minflt" in b[job] for b in blocks for job in paired_jobs):  # recorded since the 17th session
+            per = lambda key, job, scale: statistics.median(  # noqa: E731
+                scale * b[job][key] / b[job]["steps"] for b in blocks)
+            lines.append("page faults per step (rank 0, median over blocks): " + ", ".join(
+                f"{job} {per('minflt', job, 1):.1f} ({per('sys_s', job, 1e3):.2f} ms in the kernel)"
+                for job in paired_jobs))
         if all("rank_wait_s" in b["tfcs"] for b in blocks):
             rank_wait = lambda k: statistics.median(  # noqa: E731
                 1e3 * b["tfcs"]["rank_wait_s"][k] / b["tfcs"]["steps"] for b in blocks)

@@ -53,6 +53,12 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
         assert f"{ratios[0]:.2f}, {ratios[1]:.2f}" in p.stdout, (num, den)
         assert f"{num} / {den}, all 2 rounds of blocks: median " in p.stdout
     assert "of which waiting for the other ranks" in p.stdout
+    # page faults and kernel time per step of each job (rank 0's counters, grown over the timed window)
+    faults = {job: sorted(b[job]["minflt"] / STEPS for b in blocks) for job in ("tfcs", "ceiling", "lockstep")}
+    kernel = {job: sorted(1e3 * b[job]["sys_s"] / STEPS for b in blocks) for job in faults}
+    assert all(x >= 0 for v in list(faults.values()) + list(kernel.values()) for x in v)
+    assert "page faults per step (rank 0, median over blocks): " + ", ".join(
+        f"{job} {sum(faults[job]) / 2:.1f} ({sum(kernel[job]) / 2:.2f} ms in the kernel)" for job in faults) in p.stdout
     assert "each rank (median over blocks): rank 0 " in p.stdout and ", rank 1 " in p.stdout
 
 
