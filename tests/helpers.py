@@ -54,6 +54,22 @@ class WorkerFailed(AssertionError):
     pass
 
 
+def kept_log_messages(level=None) -> list:
+    """In a worker: a list that receives every message of the ``tf_commstrategy`` logger from now on
+    (``level``: set the logger's level too, e.g. ``logging.INFO``)."""
+    import logging
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+    logger = logging.getLogger("tf_commstrategy")
+    logger.addHandler(Keep())
+    if level is not None:
+        logger.setLevel(level)
+    return messages
+
+
 def _entry(fn, rank, size, port, env, args, q):
     faulthandler.enable()
     faulthandler.dump_traceback_later(int(env.pop("_TFCS_TEST_DUMP_S", "600")), exit=False)

@@ -231,6 +231,25 @@ def tf_threads_from_env(environ=None) -> str:
     return env_value("TFCS_TF_THREADS", lambda s: s.strip().lower(), DEFAULT_TF_THREADS, environ)
 
 
+def parse_heap_setting(value) -> str:
+    """A heap setting for ``CommStrategy(heap=...)``: "auto" | "off" (also True / False and the usual
+    spellings of on and off).
+
+    Raises:
+      ConfigurationError: anything else.
+    """
+    if value is True:
+        return "auto"
+    if value is False:
+        return "off"
+    text = str(value).strip().lower()
+    if text in ("auto", "on", "1", "true", "yes"):
+        return "auto"
+    if text in ("off", "0", "false", "no", "none"):
+        return "off"
+    raise ConfigurationError(f"heap={value!r} is not a heap setting", fix='use "auto" or "off"')
+
+
 def heap_from_env(environ=None) -> str:
     """``TFCS_HEAP``: whether ``CommStrategy`` keeps glibc's freed memory for the next step ("auto", the
     default: raise the mmap and trim thresholds; "off": glibc's own adaptive thresholds).
@@ -239,9 +258,12 @@ def heap_from_env(environ=None) -> str:
       environ: the variables to read (default: ``os.environ``).
 
     Returns:
-      The text, lower-cased (validated by the TF layer, which applies it).
+      "auto" or "off".
+
+    Raises:
+      ConfigurationError: the value is invalid (the message names the variable).
     """
-    return env_value("TFCS_HEAP", lambda s: s.strip().lower(), "auto", environ)
+    return env_value("TFCS_HEAP", parse_heap_setting, "auto", environ)
 
 
 #: The ring's data paths a job can ask for (docs/backends.md).

@@ -31,8 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .config import heap_from_env
-from .errors import ConfigurationError
+from .config import heap_from_env, parse_heap_setting
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -41,7 +40,6 @@ MMAP_BYTES = 32 << 20   # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP
 TRIM_BYTES = 512 << 20  # free space at a heap's top kept for the next step, at most
 _USER_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "hoard")
-_FIX = 'use "auto" or "off"'
 
 
 @dataclass(frozen=True)
@@ -49,24 +47,6 @@ class HeapPlan:
     """What the policy decided: ``apply`` the thresholds or not, and why."""
     apply: bool
     reason: str
-
-
-def parse_setting(value) -> str:
-    """"auto" | "off" (also True / False and the usual spellings of off).
-
-    Raises:
-      ConfigurationError: anything else.
-    """
-    if value is True:
-        return "auto"
-    if value is False:
-        return "off"
-    text = str(value).strip().lower()
-    if text in ("auto", "on", "1", "true", "yes"):
-        return "auto"
-    if text in ("off", "0", "false", "no", "none"):
-        return "off"
-    raise ConfigurationError(f"heap={value!r} is not a heap setting", fix=_FIX)
 
 
 def glibc() -> Optional[ctypes.CDLL]:
@@ -95,15 +75,7 @@ def plan(setting, environ: Optional[Mapping[str, str]] = None, is_glibc: Optiona
       ConfigurationError: ``setting`` (or ``TFCS_HEAP``) is neither "auto" nor "off".
     """
     env = os.environ if environ is None else environ
-    if setting is None:
-        raw = heap_from_env(env)
-        try:
-            setting = parse_setting(raw)
-        except ConfigurationError:
-            raise ConfigurationError(f"environment variable TFCS_HEAP={raw!r} is invalid",
-                                     fix='unset TFCS_HEAP or set it to "auto" or "off"') from None
-    else:
-        setting = parse_setting(setting)
+    setting = heap_from_env(env) if setting is None else parse_heap_setting(setting)
     if setting == "off":
         return HeapPlan(False, "off (heap='off' / TFCS_HEAP=off)")
     chosen = [name for name in _USER_VARS if env.get(name)]

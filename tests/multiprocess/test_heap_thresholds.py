@@ -3,7 +3,7 @@ not fault them back in (``heap.py``)."""
 
 import os
 
-from tests.helpers import run_workers
+from tests.helpers import kept_log_messages, run_workers
 
 STEPS = 20
 
@@ -16,13 +16,7 @@ def _faults_per_step(rank, size):
 
     import numpy as np
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-    records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-    logging.getLogger("tf_commstrategy").addHandler(Keep())
-    logging.getLogger("tf_commstrategy").setLevel(logging.INFO)
+    records = kept_log_messages(logging.INFO)
     import tf_commstrategy as tfcs
     strategy = tfcs.CommStrategy()
 

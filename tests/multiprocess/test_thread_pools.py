@@ -2,19 +2,13 @@
 
 import os
 
-from tests.helpers import run_workers
+from tests.helpers import kept_log_messages, run_workers
 
 
 def _pools(rank, size, early_op):
-    import logging
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     import tensorflow as tf
-    records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-    logging.getLogger("tf_commstrategy").addHandler(Keep())
+    records = kept_log_messages()
     if early_op:
         tf.constant(1.0) + 1.0  # starts TF's runtime: the pools can no longer be sized
     import tf_commstrategy as tfcs
