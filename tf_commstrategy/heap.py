@@ -5,21 +5,23 @@ larger than its mmap threshold with fresh ``mmap`` calls, and gives the free spa
 heap back to the kernel once it exceeds its trim threshold. It adapts both thresholds as the process
 runs, but only up to twice the largest block it has freed so far: a step that frees more than that
 at once returns it all to the kernel, and the next step faults every page of it back in, zeroed.
-Measured with 2 workers training the reference CNN on 2 cores (docs/benchmarks.md): 150-690 page
-faults per step under CommStrategy and 0.5-3 ms of kernel time per step (the independent processes
-of the ceiling: 14-200 faults), against 0.3-2.4 faults with the thresholds below.
+Measured with 2 workers training the reference CNN on 2 cores (docs/benchmarks.md): from 1 to 690
+page faults per step under CommStrategy depending on the process's history, with up to 3 ms per
+step in the kernel (the independent processes of the ceiling: 11-575), against at most 2.4 faults per
+step with the thresholds below.
 
 Policy ``"auto"`` (the default): raise the mmap threshold to glibc's maximum (32 MiB: blocks up to
 that size are reused from the heap) and the trim threshold to ``TRIM_BYTES`` (free space up to that
 size stays mapped for the next step), with ``mallopt``. This is what ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` do when set before a process starts; TensorFlow's tuning guides suggest
-tcmalloc or jemalloc for the same reason. The price: up to ``TRIM_BYTES`` of freed memory per heap
-stays in the process between steps instead of going back to the system.
+``MALLOC_TRIM_THRESHOLD_`` do when set before a process starts; preloading tcmalloc or jemalloc, a
+common advice for training on CPUs, has the same effect. The price: up to ``TRIM_BYTES`` of freed
+memory per heap stays in the process between steps instead of going back to the system.
 
 Nothing changes with ``"off"``, on a C library other than glibc, or when the user already chose: the
 ``MALLOC_*_`` variables or ``glibc.malloc`` tunables are set, or another allocator is preloaded
-(``LD_PRELOAD``). TensorFlow's ``from_generator`` datasets set the mmap threshold back to 128 KiB
-when they run (TensorFlow's own workaround for a memory growth on Python 3.11).
+(``LD_PRELOAD``). TensorFlow's ``from_generator`` datasets, and the multi-device iterator of a worker
+with GPUs (built on one), set the mmap threshold back to 128 KiB when they start (TensorFlow's own
+workaround for a memory growth on Python 3.11; see ``tf/input_path.py``).
 """
 
 from __future__ import annotations
