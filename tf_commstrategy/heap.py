@@ -27,7 +27,6 @@ workaround for a memory growth on Python 3.11; see ``tf/input_path.py``).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from dataclasses import dataclass
