@@ -110,6 +110,16 @@ def _failing(rank, size, how):
     n = 4 + (rank if how == "mismatch" else 0)
     step = _sum_step(tf, s)
     step(tf.ones([4]))  # a good call first: both ranks are in step
+    if how.startswith("word-") and rank == (1 if how == "word-op" else 0):
+        # the peer's side of a divergence, as its shared-memory state word shows it: "word-op", rank 1's
+        # Python-path wait found it (rank 0 waits in the op); "word-python", rank 0's op found it (rank 1
+        # waits in a Python-path collective). No abort message is sent: the word alone must stop the wait.
+        from tf_commstrategy.tf import native_path
+        native = native_path.NativeAllReduce.for_group(s.process_group)
+        time.sleep(1)
+        native._words[native._state] = 6  # the op's kDiverged (native_path.STATE_DIVERGED)
+        time.sleep(8)  # the other rank raises meanwhile
+        return "wrote"
     if rank == 1 and how == "absent":
         time.sleep(8)  # never calls again (and does not leave before rank 0's deadline)
         return "stayed away"
@@ -118,7 +128,7 @@ def _failing(rank, size, how):
     t0 = time.monotonic()
     try:
         with tfcs.unwrap_errors():
-            if rank == 1 and how == "diverged":  # a collective of the Python path instead of the strategy's
+            if rank == 1 and how in ("diverged", "word-python"):  # a Python-path collective, not the strategy's
                 tfcs.allreduce(np.ones(3))
             else:
                 step(tf.ones([n]))
@@ -150,6 +160,20 @@ def test_ranks_in_different_collectives_raise_a_mismatch_on_every_rank_long_befo
         assert "different collectives" in msg and f"rank {1 - rank}" in msg
         assert after is not None  # the group is unusable afterwards
     assert "compiled all-reduce" in res[1][2]  # rank 1 names where rank 0 is
+
+
+@pytest.mark.parametrize("waiting", ["op", "python"])
+def test_a_peer_that_found_the_divergence_first_stops_the_wait_with_the_same_mismatch(waiting):
+    # one side found the divergence and says so in its state word; the rank still waiting (in the op, or in
+    # a Python-path collective) raises the same CollectiveMismatchError from that word at once, whether or
+    # not the first side's abort message has arrived (here it never comes)
+    res = run_workers(_failing, 2, f"word-{waiting}", timeout=120)
+    waiter = 0 if waiting == "op" else 1
+    assert res[1 - waiter] == "wrote"
+    cls, took, msg, after = res[waiter]
+    assert cls == "CollectiveMismatchError", msg
+    assert took < 4, took  # 1 s after the call, far from the 5 s divergence limit and the 30 s deadline
+    assert "different collectives" in msg and f"rank {1 - waiter}" in msg, msg
 
 
 def test_a_rank_that_never_calls_is_a_timeout_at_the_deadline():

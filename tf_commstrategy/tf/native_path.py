@@ -46,7 +46,7 @@ from . import native_build
 log = logging.getLogger("tf_commstrategy")
 
 SLOT_BYTES = 4 << 20  # each rank's two slots: a step's gradients in pieces of at most this many bytes
-STATE_SHUTDOWN, STATE_FAILED = 1, 5  # the op's kShutdown, kFailed
+STATE_SHUTDOWN, STATE_FAILED, STATE_DIVERGED = 1, 5, 6  # the op's kShutdown, kFailed, kDiverged
 _TAG = re.compile(r"\[tfcs-native:(\w+)(?::(\d+))?\]\s*")
 _STATES = {2: "ranks passed different tensors", 3: "timed out", 4: "a peer process died",
            5: "the process group failed", 6: "the ranks called different collectives"}
@@ -75,6 +75,7 @@ class NativeAllReduce:
         self._words = np.frombuffer(seg.mm, dtype=np.uint64, count=header_bytes // 8)
         # this rank's words in the op's header (shm_allreduce.cc): its state line, and its counters line
         self._state = _word(group.size, group.rank, line_kind=2)
+        self._states = [_word(group.size, r, line_kind=2) for r in range(group.size)]
         self._calls = _word(group.size, group.rank, line_kind=3, offset=2)
         self._busy_ns = _word(group.size, group.rank, line_kind=3, offset=3)
         self._wait_ns = _word(group.size, group.rank, line_kind=3, offset=4)
@@ -235,22 +236,34 @@ class NativeAllReduce:
 
     def python_problem(self, seq: int, sig: str) -> Optional[CollectiveMismatchError]:
         """While this rank waits in Python-path collective ``seq`` [``sig``]: the error to raise when a
-        peer has been inside the compiled all-reduce for ``DIVERGE_S`` s and this rank here as long."""
+        peer has been inside the compiled all-reduce for ``DIVERGE_S`` s and this rank here as long, or
+        when a peer's op found that first (its state word says so before its abort message arrives). This
+        rank's state word then says so too, so a peer's op that still waits raises the same error."""
+        me = self.group.rank
+        for p, word in enumerate(self._states):
+            if p != me and int(self._words[word]) == STATE_DIVERGED:
+                return self._diverged(seq, sig, p, f"rank {p}, waiting in the compiled all-reduce of the strategy's "
+                                                   f"gradients, found that the ranks called different collectives")
         now = time.monotonic_ns()
         mine = int(self._words[self._python_since])
         limit = int(self.diverge_s * 1e9)
         if mine == 0 or now - mine < limit:
             return None
         for p, word in enumerate(self._native_since):
-            since = int(self._words[word]) if p != self.group.rank else 0
+            since = int(self._words[word]) if p != me else 0
             if since and now - since >= limit:
-                return CollectiveMismatchError(
-                    f"collective #{seq} [{sig}] waited {(now - mine) * 1e-9:.1f} s for rank {p}, which has been "
-                    f"in the compiled all-reduce of the strategy's gradients for {(now - since) * 1e-9:.1f} s: the "
-                    f"ranks called different collectives", rank=self.group.rank, seq=seq, local_signature=sig,
-                    remote_signature="the strategy's gradient all-reduce (compiled)", remote_rank=p,
-                    fix=DIVERGED_FIX)
+                return self._diverged(seq, sig, p, f"collective #{seq} [{sig}] waited {(now - mine) * 1e-9:.1f} s "
+                                                   f"for rank {p}, which has been in the compiled all-reduce of "
+                                                   f"the strategy's gradients for {(now - since) * 1e-9:.1f} s: the "
+                                                   f"ranks called different collectives")
         return None
+
+    def _diverged(self, seq: int, sig: str, peer: int, message: str) -> CollectiveMismatchError:
+        if self._words[self._state] == 0:
+            self._words[self._state] = STATE_DIVERGED
+        return CollectiveMismatchError(message, rank=self.group.rank, seq=seq, local_signature=sig,
+                                       remote_signature="the strategy's gradient all-reduce (compiled)",
+                                       remote_rank=peer, fix=DIVERGED_FIX)
 
     def calls(self) -> int:
         """How many calls this rank has made (the op counts them in the segment)."""

@@ -48,8 +48,9 @@ class CollectiveLink:
         all-reduce buffers) a peer that entered this collective under another signature, or a peer that
         has long been inside a collective of a layer above instead (``ProcessGroup.add_collective_watch``)."""
         fusion = self._b.fusion
-        return (self._b.mailbox.error_now() or (fusion.conflict(self._seq, self._sig_text) if fusion else None)
-                or self._watched())
+        # the watches first: a peer's shared-memory word that names the cause is there before its abort message
+        return (self._watched() or self._b.mailbox.error_now()
+                or (fusion.conflict(self._seq, self._sig_text) if fusion else None))
 
     abort_now = _abort  # for the shared-buffer all-reduce's waits
 

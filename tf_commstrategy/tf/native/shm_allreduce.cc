@@ -12,7 +12,9 @@
 //   line [0 * size + r]  ready[r]: the generation whose data rank r has put in its slot
 //   line [1 * size + r]  done[r]:  the generation rank r has finished reading every slot for
 //   line [2 * size + r]  state[r]: 0 while healthy, else why rank r stopped (kShutdown, kMismatch, ...;
-//                        kFailed: set by Python when the process group failed, so a waiting call ends)
+//                        kFailed: set by Python when the process group failed, so a waiting call ends;
+//                        kDiverged: also set by Python when its wait found the ranks split between
+//                        this op and a collective of the Python path)
 //   line [3 * size + r]  sig[r][2], calls[r], busy_ns[r], wait_ns[r], native_since[r], python_since[r]:
 //                        the signatures of rank r's pieces in slot 0 and 1 (a rank may publish
 //                        generation g + 1 while a peer still checks g); its calls so far; the nanoseconds
@@ -360,6 +362,11 @@ class ShmAllReduceOp : public OpKernel {
             ctx->SetStatus(errors::FailedPrecondition(
                 "[tfcs-native:mismatch] rank ", rank_, ": rank ", p, " found that the ranks called the "
                 "all-reduce with different tensors"));
+          } else if (st == kDiverged) {  // the peer found it first (from its side): the same error here
+            ctx->SetStatus(errors::FailedPrecondition(
+                "[tfcs-native:diverged:", p, "] rank ", rank_, ": rank ", p, " found that the ranks called "
+                "different collectives while this rank waited in the compiled all-reduce of the strategy's "
+                "gradients"));
           } else {
             ctx->SetStatus(errors::Aborted("[tfcs-native:aborted:", p, "] rank ", rank_, ": rank ", p, " ",
                                            StoppedBecause(st)));
