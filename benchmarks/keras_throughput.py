@@ -405,10 +405,8 @@ def summarize(rounds, workers, steps):
                      f"; tfcs inside collectives {per_step('comm_s'):.2f} "
                      f"ms, of which waiting for the other ranks {per_step('wait_s'):.2f} ms")
         if all("minflt" in b[job] for b in blocks for job in paired_jobs):  # recorded since the 17th session
-            per = lambda key, job, scale: statistics.median(  # noqa: E731
-                scale * b[job][key] / b[job]["steps"] for b in blocks)
             lines.append("page faults per step (rank 0, median over blocks): " + ", ".join(
-                f"{job} {per('minflt', job, 1):.1f} ({per('sys_s', job, 1e3):.2f} ms in the kernel)"
+                f"{job} {per_step('minflt', job) / 1e3:.1f} ({per_step('sys_s', job):.2f} ms in the kernel)"
                 for job in paired_jobs))
         if all("rank_wait_s" in b["tfcs"] for b in blocks):
             rank_wait = lambda k: statistics.median(  # noqa: E731

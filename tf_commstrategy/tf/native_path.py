@@ -74,8 +74,8 @@ class NativeAllReduce:
         self._spin_us = spin_microseconds(group.size)
         self._words = np.frombuffer(seg.mm, dtype=np.uint64, count=header_bytes // 8)
         # this rank's words in the op's header (shm_allreduce.cc): its state line, and its counters line
-        self._state = _word(group.size, group.rank, line_kind=2)
-        self._states = [_word(group.size, r, line_kind=2) for r in range(group.size)]
+        self._states = [_word(group.size, r, line_kind=2) for r in range(group.size)]  # every rank's state word
+        self._state = self._states[group.rank]
         self._calls = _word(group.size, group.rank, line_kind=3, offset=2)
         self._busy_ns = _word(group.size, group.rank, line_kind=3, offset=3)
         self._wait_ns = _word(group.size, group.rank, line_kind=3, offset=4)
