@@ -99,7 +99,8 @@ def test_frozen_worker_is_declared_lost_by_heartbeats_within_15s(tmp_path):
         assert rep["detect_s"] < 15, rep
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.slow  # two 3-worker jobs, about a minute on 2 cores; the default suite keeps the restart loop
+@pytest.mark.timeout(300)  # (test_max_restarts_gives_up_after_k_attempts) and BackupAndRestore's resume (test_keras_paths)
 def test_max_restarts_with_backup_and_restore_loses_nothing(tmp_path):
     common = ("--steps", "12", "--epochs", "3")
     ref_dir = tmp_path / "ref"
