@@ -95,15 +95,26 @@ def _dataset(np, tf, rank, global_batch):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).repeat()
 
 
+def _machine_idle_s():
+    """Seconds all CPUs together have been idle since boot (``/proc/stat``; 0 where there is none): an idle
+    CPU in a block means a process waited with nothing else to run."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()  # cpu user nice system idle iowait ...
+        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _timed_fit(keras, model, ds, steps, counters=lambda: {}):
     """One ``fit`` call of ``steps + SKIP`` steps: the steady-state time from the start of step SKIP to
     the end of the last step, what ``counters`` (seconds by name) grew by in that window, and the whole
     call's time."""
     marks = {}
 
-    def usage():  # this process's page faults and CPU seconds (user, kernel) so far
+    def usage():  # this process's page faults and CPU seconds (user, kernel) so far; the machine's idle CPU time
         r = resource.getrusage(resource.RUSAGE_SELF)
-        return {"minflt": r.ru_minflt, "user_s": r.ru_utime, "sys_s": r.ru_stime}
+        return {"minflt": r.ru_minflt, "user_s": r.ru_utime, "sys_s": r.ru_stime, "idle_s": _machine_idle_s()}
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -118,8 +129,10 @@ def _timed_fit(keras, model, ds, steps, counters=lambda: {}):
     t0 = time.perf_counter()
     model.fit(ds, epochs=1, steps_per_epoch=steps + SKIP, verbose=0, callbacks=[Clock()])
     grown = {k: v - marks["counters"][k] for k, v in dict(counters(), **marks["usage"]).items()}
+    # the window in CLOCK_MONOTONIC seconds (perf_counter's clock on Linux), to line up with a profiler's
+    # samples (``perf record -k CLOCK_MONOTONIC``)
     return dict(grown, wall_s=marks["end"] - marks["begin"], fit_call_s=time.perf_counter() - t0,
-                fit_call_steps=steps + SKIP, steps=steps)
+                fit_call_steps=steps + SKIP, steps=steps, window_s=[marks["begin"], marks["end"]])
 
 
 def worker(mode, steps, out):
@@ -408,6 +421,9 @@ def summarize(rounds, workers, steps):
             lines.append("page faults per step (rank 0, median over blocks): " + ", ".join(
                 f"{job} {per_step('minflt', job) / 1e3:.1f} ({per_step('sys_s', job):.2f} ms in the kernel)"
                 for job in paired_jobs))
+        if all("idle_s" in b[job] for b in blocks for job in paired_jobs):  # recorded since the 18th session
+            lines.append("idle CPU time per step, all CPUs together (median over blocks): " + ", ".join(
+                f"{job} {per_step('idle_s', job):.2f} ms" for job in paired_jobs))
         if all("rank_wait_s" in b["tfcs"] for b in blocks):
             rank_wait = lambda k: statistics.median(  # noqa: E731
                 1e3 * b["tfcs"]["rank_wait_s"][k] / b["tfcs"]["steps"] for b in blocks)

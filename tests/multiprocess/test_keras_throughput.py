@@ -60,6 +60,17 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
     assert "page faults per step (rank 0, median over blocks): " + ", ".join(
         f"{job} {sum(faults[job]) / 2:.1f} ({sum(kernel[job]) / 2:.2f} ms in the kernel)" for job in faults) in p.stdout
     assert "each rank (median over blocks): rank 0 " in p.stdout and ", rank 1 " in p.stdout
+    # the machine's idle CPU time in each window, and the windows themselves (monotonic clock, one after the
+    # other in the order the blocks ran, each as long as its timed steps)
+    idle = {job: sorted(1e3 * b[job]["idle_s"] / STEPS for b in blocks) for job in faults}
+    assert all(x >= 0 for v in idle.values() for x in v)
+    assert "idle CPU time per step, all CPUs together (median over blocks): " + ", ".join(
+        f"{job} {sum(idle[job]) / 2:.2f} ms" for job in idle) in p.stdout
+    windows = [b[job]["window_s"] for b in blocks for job in b["order"]]
+    assert all(a < b <= c for (a, b), (c, _) in zip(windows, windows[1:] + [(float("inf"), 0)]))
+    for b in blocks:
+        for job in b["order"]:
+            assert b[job]["window_s"][1] - b[job]["window_s"][0] == pytest.approx(b[job]["wall_s"])
 
 
 def _barrier_worker(rank, size, late, deadline):
