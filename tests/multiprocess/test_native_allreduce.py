@@ -258,6 +258,42 @@ def test_the_time_inside_the_op_and_the_waits_are_counted():
     assert quick < 0.5 and 0 <= quick_wait <= quick, (quick, quick_wait)
 
 
+def _sleeps_while_waiting(rank, size):
+    """Rank 1 calls 12 ms after rank 0, 20 times, then 1 s after it once: for each, how often rank 0's
+    process went to sleep over its calls (voluntary context switches: a yield that finds other work is not
+    one) and its wall seconds."""
+    import resource
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy()
+    step = _sum_step(tf, s)
+    x = tf.ones([4])
+    step(x)
+    out = []
+    for late_s, reps in ((0.012, 20), (1.0, 1)):
+        sleeps = wall = 0.0
+        for _ in range(reps):
+            tfcs.barrier()
+            if rank == 1:
+                time.sleep(late_s)
+            c0, w0 = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw, time.perf_counter()
+            step(x)
+            sleeps += resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - c0
+            wall += time.perf_counter() - w0
+        out.append((sleeps, wall))
+    return out
+
+
+def test_a_short_wait_keeps_the_core_and_a_long_one_gives_it_up():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the ranks share it, so the op spins only 0.2 ms")
+    (sleeps, wall), (long_sleeps, long_wall) = run_workers(_sleeps_while_waiting, 2, timeout=120)[0]
+    assert wall > 20 * 0.010, wall  # rank 0 did wait for rank 1 each time
+    # a wait of 12 ms yields in a loop, never sleeping: the few sleeps per call are TensorFlow's own hand-offs
+    # between its threads (a 1 ms spin, then 50 us sleeps, made over 60 per call)
+    assert sleeps < 20 * 15, (sleeps, wall)
+    assert long_wall > 0.9 and long_sleeps > 100, (long_sleeps, long_wall)  # past 20 ms it sleeps
+
+
 def _mixed(rank, size):
     """float32 and float64 calls in one function and in two functions, and a call with only empty tensors:
     every rank's generations stay in step (a later call still agrees)."""
