@@ -67,7 +67,7 @@ def spin_microseconds(ranks_on_host: int) -> int:
     """How long a wait yields the CPU in a loop before it sleeps: long when every rank has a core.
 
     A rank that sleeps leaves its core idle and wakes a poll after its peer arrived; in training, the
-    waits grew in some stretches with a 1 ms spin and those steps were up to a third slower, which did
+    waits grew in some stretches with a 1 ms spin and those blocks of steps ran up to 30% slower, which did
     not happen with 20 ms (docs/benchmarks.md, eighteenth session). Waits longer than the spin (a rank
     evaluating or saving) still sleep."""
     return SPIN_US_OWN_CORE if len(os.sched_getaffinity(0)) >= ranks_on_host else SPIN_US_SHARED_CORES
