@@ -225,6 +225,13 @@ def test_typed_errors_from_the_ops_tags():
         return cls(None, None, text)
     e = typed_error(op_error(tf.errors.UnavailableError, "[tfcs-native:peer_lost:3] rank 1: rank 3 (pid 9) died"))
     assert isinstance(e, errors.PeerLostError) and e.peer_rank == 3 and e.rank == 1 and "died" in str(e)
+    # with the group's workers, the lost peer's host is named (as on the Python path)
+    from tf_commstrategy.rendezvous.rendezvous import WorkerInfo
+    workers = [WorkerInfo(rank=r, hostname=f"node{r}", boot_id="b", pid=9) for r in range(4)]
+    e = typed_error(op_error(tf.errors.UnavailableError, "[tfcs-native:peer_lost:3] rank 1: rank 3 (pid 9) died"),
+                    workers)
+    assert isinstance(e, errors.PeerLostError) and e.peer_address == "host node3"
+    assert str(e).startswith("rank 3 (host node3, pid 9) died"), str(e)
     e = typed_error(op_error(tf.errors.AbortedError, "[tfcs-native:aborted:2] rank 0: rank 2 stopped"))
     assert isinstance(e, errors.CollectiveAbortedError) and e.origin_rank == 2
     assert isinstance(typed_error(op_error(tf.errors.DeadlineExceededError, "[tfcs-native:timeout] rank 0: x")),

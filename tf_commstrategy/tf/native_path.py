@@ -227,7 +227,7 @@ class NativeAllReduce:
                     header_bytes=self.header_bytes, capacity=self.capacity, pids=self._pids, timeout=timeout,
                     spin_us=self._spin_us, mean=bool(mean), diverge_s=float(self.diverge_s)))
             except tf.errors.OpError as e:  # eagerly: the typed error now, and the group is unusable
-                ours = typed_error(e)
+                ours = typed_error(e, getattr(self.group, "workers", None))
                 if ours is None:
                     raise
                 if not isinstance(ours, NotInitializedError):
@@ -331,8 +331,11 @@ def _header_bytes(size: int) -> int:
     return -(-(64 * 4 * size) // 4096) * 4096
 
 
-def typed_error(error: BaseException) -> Optional[TfcsError]:
-    """The tf_commstrategy error behind a TF error raised by the compiled all-reduce, or None."""
+def typed_error(error: BaseException, workers=None) -> Optional[TfcsError]:
+    """The tf_commstrategy error behind a TF error raised by the compiled all-reduce, or None.
+
+    ``workers`` (the group's ``WorkerInfo`` list) names a lost peer's host, as the Python path's
+    ``PeerLostError`` does: the op itself only knows pids."""
     text = getattr(error, "message", None) or str(error)
     m = _TAG.search(text)
     if m is None:
@@ -353,8 +356,12 @@ def typed_error(error: BaseException) -> Optional[TfcsError]:
         return CollectiveMismatchError(message, rank=rank, remote_rank=int(who) if who else None,
                                        fix=DIVERGED_FIX)
     if kind == "peer_lost":
-        return PeerLostError(message, rank=rank, peer_rank=int(who) if who else None,
-                             fix="see that rank's log for why it died")
+        peer = int(who) if who else None
+        host = workers[peer].hostname if workers and peer is not None and peer < len(workers) else None
+        if host:
+            message = message.replace(f"rank {peer} (pid ", f"rank {peer} (host {host}, pid ", 1)
+        return PeerLostError(message, rank=rank, peer_rank=peer, peer_address=f"host {host}" if host else None,
+                             fix="see that rank's log for why it died; restart the job (tfcs-run --max-restarts)")
     if kind == "aborted":
         return CollectiveAbortedError(message, rank=rank, origin_rank=int(who) if who else None,
                                       fix="see that rank's log for its own error")

@@ -87,12 +87,12 @@ def unwrap_errors():
         if errors_seen.count != mark and errors_seen.last is not None:
             raise errors_seen.last from e
         from .native_path import typed_error  # the compiled all-reduce reports through TF's error
-        ours = typed_error(e)
+        from .. import process
+        group = process.default_group() if process.is_initialized() else None
+        ours = typed_error(e, getattr(group, "workers", None))
         if ours is None:
             raise
-        from .. import process
-        if process.is_initialized():
-            group = process.default_group()
+        if group is not None:
             cause = group.failure()
             if cause is not None and type(ours) is CollectiveError:  # the op stopped because the group failed
                 ours = cause
