@@ -44,6 +44,8 @@ def _scenario(rank, size, which, tmp):
     if which == "steps_per_execution_validation":
         m = _model(keras, strategy, rank, steps_per_execution=3)
         return m.fit(ds, epochs=2, verbose=0, validation_data=ds).history, [w.tolist() for w in m.get_weights()[:1]]
+    if which == "steps_per_execution_reads":
+        return _counter_reads(keras, strategy, m=_model(keras, strategy, rank, steps_per_execution=2), ds=ds)
     if which == "run_eagerly":
         m = _model(keras, strategy, rank, run_eagerly=True)
         return m.fit(ds, epochs=1, verbose=0).history, [w.tolist() for w in m.get_weights()[:1]]
@@ -99,6 +101,47 @@ def _scenario(rank, size, which, tmp):
             return type(e).__name__, str(e)
         return "no error", ""
     raise ValueError(which)
+
+
+def _counter_reads(keras, strategy, m, ds):
+    """How often each ``fit`` reads the steps-per-execution counter through the MirroredVariable (a
+    cross-replica read), for 4 and 8 steps; then a fit of 5 steps (executions of 2, 2 and 1: the handler
+    assigns the counter and restores it): the batches its callbacks saw and the counter afterwards."""
+    from tensorflow.python.distribute import values
+    counter = m._steps_per_execution  # pylint: disable=protected-access
+    reads = []
+    original = values.MirroredVariable._get_cross_replica
+
+    def counting(self):
+        if self is counter:
+            reads.append(1)
+        return original(self)
+
+    values.MirroredVariable._get_cross_replica = counting
+    per_fit = []
+    m.fit(ds.repeat(), epochs=1, steps_per_epoch=2, verbose=0)  # the train function made (reads of its own)
+    try:
+        for steps in (4, 8):
+            before = len(reads)
+            m.fit(ds.repeat(), epochs=1, steps_per_epoch=steps, verbose=0)
+            per_fit.append(len(reads) - before)
+    finally:
+        values.MirroredVariable._get_cross_replica = original
+    ends = []
+    m.fit(ds.repeat(), epochs=1, steps_per_epoch=5, verbose=0, callbacks=[
+        keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: ends.append(batch))])
+    return (type(counter).__name__, per_fit, ends, int(counter.numpy()),
+            [int(v.numpy()) for v in counter.values])
+
+
+def test_steps_per_execution_counter_is_read_from_its_first_component(tmp_path):
+    """tf_keras reads the counter at every step; a mirrored read costs 4x a plain one (keras_compat)."""
+    for kind, per_fit, ends, after, components in run_workers(_scenario, 2, "steps_per_execution_reads",
+                                                              str(tmp_path), timeout=240):
+        assert kind == "MirroredVariable"
+        assert per_fit[0] == per_fit[1], per_fit  # not once per execution (2 and 4 executions)
+        assert ends == [1, 3, 4]  # executions of 2, 2 and the partial 1
+        assert after == 2 and components == [2]  # restored through the variable after the partial one
 
 
 @pytest.mark.parametrize("which", ["steps_per_execution_validation", "run_eagerly", "mixed_precision"])

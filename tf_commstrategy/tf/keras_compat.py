@@ -19,6 +19,7 @@ import functools
 import sys
 
 import tensorflow as tf
+from tensorflow.python.distribute import values
 
 _installed = False
 _warned_uneven = False
@@ -43,6 +44,26 @@ def agree_on_steps(local_steps):
             "steps, and workers out of data contribute empty batches", every.tolist(),
             "until all are out of data" if (every < 0).any() else int(every.max()))
     return None if (every < 0).any() else int(every.max())
+
+
+class FirstComponentReads:
+    """A MirroredVariable seen through its first component for reads (``numpy``, ``read_value``);
+    every other use, writes included, goes to the variable itself (all its components).
+
+    For a variable that is only ever written in cross-replica context (all components equal), such as
+    tf_keras's steps-per-execution counter."""
+
+    def __init__(self, variable):
+        self.variable = variable
+
+    def numpy(self):
+        return self.variable._primary.numpy()  # pylint: disable=protected-access
+
+    def read_value(self):
+        return self.variable._primary.read_value()  # pylint: disable=protected-access
+
+    def __getattr__(self, name):
+        return getattr(self.variable, name)
 
 
 def _wrap_once(owner, name: str, build) -> None:
@@ -107,6 +128,22 @@ def install() -> None:
             return agree_on_steps(inferred)
         return wrapper
     _wrap_once(data_adapter.DataHandler, "_infer_steps", infer_steps)
+
+    # steps_per_execution: the DataHandler reads the model's counter with ``.numpy()`` at every step. Made
+    # under the scope, the counter is a MirroredVariable, whose read in cross-replica context resolves the
+    # current device and copies the value (103 us against 27 us for a plain variable on the 2-core VM).
+    # Every component holds the same value (the counter is only assigned in cross-replica context, which
+    # writes all of them), so the handler reads the first component and writes through the variable.
+    def data_handler_init(original):
+        def wrapper(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            from .strategy import CommStrategy
+            counter = self._steps_per_execution
+            if (isinstance(counter, values.MirroredVariable)
+                    and isinstance(counter.distribute_strategy, CommStrategy)):
+                self._steps_per_execution = FirstComponentReads(counter)
+        return wrapper
+    _wrap_once(data_adapter.DataHandler, "__init__", data_handler_init)
 
     # Metrics: tf_keras reads every metric (each Mean: total and count) at every step, one reduction
     # per variable. Under CommStrategy the reads of one get_metrics_result share ONE fused collective.
