@@ -29,7 +29,7 @@ iterator to its train function at every step, and ``tf.function`` flattens it by
 worker, whose constructor parses and canonicalizes device names) and the per-worker iterator's own. All
 three are rebuilt at each access from values an iterator never changes; measured on the 2-core VM, a
 ``tf.function`` call with the distributed iterator took 455 us against 349 us with a plain ``tf.data``
-iterator, and 380 us with the specs made once (docs/benchmarks.md, nineteenth session).
+iterator, and 388 us with the specs made once (docs/benchmarks.md, nineteenth session).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ every other reduction is left to tf_keras unchanged. Saving (``Model.save`` / ``
 ``tf_keras.models.save_model``, ``tf.saved_model.save``) reads replica-local variables (metric state)
 locally, so rank 0 can save alone. Also, ``verbose="auto"`` (the default of
 fit/evaluate/predict) shows the progress bar on rank 0 only, and a tf_commstrategy error inside
-fit/evaluate/predict surfaces as itself (chained from TF's ``UnknownError``).
+fit/evaluate/predict surfaces as itself (chained from TF's ``UnknownError``). The ``DataHandler``
+reads its steps-per-execution counter, a MirroredVariable under the scope, from the counter's first
+component at every step (``FirstComponentReads``).
 """
 
 from __future__ import annotations
