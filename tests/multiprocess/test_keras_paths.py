@@ -117,10 +117,10 @@ def _counter_reads(keras, strategy, m, ds):
             reads.append(1)
         return original(self)
 
-    values.MirroredVariable._get_cross_replica = counting
     per_fit = []
-    m.fit(ds.repeat(), epochs=1, steps_per_epoch=2, verbose=0)  # the train function made (reads of its own)
+    values.MirroredVariable._get_cross_replica = counting
     try:
+        m.fit(ds.repeat(), epochs=1, steps_per_epoch=2, verbose=0)  # the train function made (reads of its own)
         for steps in (4, 8):
             before = len(reads)
             m.fit(ds.repeat(), epochs=1, steps_per_epoch=steps, verbose=0)

@@ -94,11 +94,12 @@ def _made_once(cls, name: str) -> None:
     key = "_tfcs_" + name.lstrip("_")
 
     def get(self):
-        if not _is_plain(getattr(self, "_options", None)):
-            return original.fget(self)
-        made = self.__dict__.get(key)
-        if made is None:
-            made = self.__dict__[key] = original.fget(self)
+        made = self.__dict__.get(key)  # the hot path: the value made before
+        if made is not None:
+            return made
+        made = original.fget(self)
+        if _is_plain(getattr(self, "_options", None)):
+            self.__dict__[key] = made
         return made
 
     get.__wrapped__ = original.fget

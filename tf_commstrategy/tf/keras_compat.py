@@ -49,8 +49,8 @@ def agree_on_steps(local_steps):
 
 
 class FirstComponentReads:
-    """A MirroredVariable seen through its first component for reads (``numpy``, ``read_value``);
-    every other use, writes included, goes to the variable itself (all its components).
+    """A MirroredVariable whose ``numpy()`` reads its first component; every other use, writes
+    included, goes to the variable itself (all its components).
 
     For a variable that is only ever written in cross-replica context (all components equal), such as
     tf_keras's steps-per-execution counter."""
@@ -60,9 +60,6 @@ class FirstComponentReads:
 
     def numpy(self):
         return self.variable._primary.numpy()  # pylint: disable=protected-access
-
-    def read_value(self):
-        return self.variable._primary.read_value()  # pylint: disable=protected-access
 
     def __getattr__(self, name):
         return getattr(self.variable, name)
