@@ -13,7 +13,7 @@ imported when first accessed.
 """
 
 from .collectives import (allgather, allreduce, barrier, broadcast, grouped_allreduce, grouped_broadcast,
-                          reduce_scatter)
+                          reduce_scatter, shared_empty)
 from .core.reduce_ops import ReduceOp
 from .errors import (BackendUnavailableError, CollectiveAbortedError, CollectiveError,
                      CollectiveMismatchError, CollectiveTimeoutError, ConfigurationError,
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "allreduce", "grouped_allreduce", "broadcast", "grouped_broadcast", "allgather", "reduce_scatter",
-    "barrier", "ReduceOp",
+    "barrier", "shared_empty", "ReduceOp",
     "TfcsError", "ConfigurationError", "NotInitializedError", "RendezvousError", "CollectiveError",
     "CollectiveTimeoutError", "CollectiveMismatchError", "PeerLostError", "CollectiveAbortedError",
     "BackendUnavailableError", "UnsupportedOperationError",

@@ -309,3 +309,43 @@ def barrier(*, backend: Optional[str] = None, timeout: Optional[float] = None) -
     g = default_group()
     name = normalize_backend_name(backend) or g.default_backend
     g.backend("grpc" if name == "auto" else name).barrier(timeout)
+
+
+def shared_empty(shape, dtype="float32", *, timeout: Optional[float] = None) -> np.ndarray:
+    """A new, uninitialised numpy array in shared memory that the other ranks of this host map too.
+
+    A collective: every rank calls it with the same shape and dtype, in the same order (like
+    ``MPI_Win_allocate_shared`` or torch's symmetric memory). An in-place all-reduce of the array
+    (``tfcs.allreduce(a, out=a)``, or of the same slice of it on every rank) then reads the peers'
+    values where they are: no copy into a transfer buffer and none out of it (2 ranks, 256 MiB: see
+    docs/benchmarks.md). Anything else works on it as on any numpy array. The memory stays mapped until
+    ``tfcs.shutdown()``: allocate buffers once and reuse them.
+
+    When the job's ranks do not all share one host's memory (or /dev/shm cannot hold the array, which
+    is logged once), every rank gets a private ``np.empty`` array instead, and the all-reduce works as
+    usual.
+
+    Args:
+      shape: int or tuple of ints.
+      dtype: a numpy dtype (or its name).
+      timeout: seconds to wait for the other ranks (default: the group's rendezvous timeout).
+
+    Returns:
+      A writeable, C-contiguous numpy array of ``shape`` and ``dtype``.
+
+    Raises:
+      ConfigurationError: a negative dimension or a dtype that is not a number.
+      CollectiveMismatchError: the ranks asked for different sizes.
+      NotInitializedError: ``tfcs.init()`` has not been called.
+      RendezvousError: a rank did not arrive before the deadline.
+    """
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise ConfigurationError(f"shared_empty: dtype {dtype!r} is not a numpy dtype ({e})",
+                                 fix="pass e.g. np.float32 or 'float32'") from None
+    if (dt.kind not in "biufc" or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape)):
+        raise ConfigurationError(f"shared_empty: shape {shape!r} / dtype {dt} is not an array of numbers",
+                                 fix="pass a tuple of non-negative ints and a numeric dtype")
+    return default_group().backend("grpc").shared_empty(tuple(int(d) for d in shape), dt, timeout)

@@ -58,7 +58,8 @@ def many_worker(rank, size, seed):
     return out
 
 
-PATHS = [(2, {}, "ring"), (3, {}, "shm-buffers"), (3, {"TFCS_SHM_FUSION_BYTES": "4K"}, "shm-buffers"),
+PATHS = [(2, {}, "ring (small: shm-buffers)"), (2, {"TFCS_SHM_FUSION_BYTES": "0"}, "ring"),
+         (3, {}, "shm-buffers"), (3, {"TFCS_SHM_FUSION_BYTES": "4K"}, "shm-buffers"),
          (3, {"TFCS_SHM_FUSION_BYTES": "0"}, "ring"), (2, {"TFCS_TRANSPORT": "unix"}, "ring")]
 
 

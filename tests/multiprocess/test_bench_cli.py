@@ -87,6 +87,16 @@ def test_bench_interleaved_with_gloo(tmp_path):
     assert "transport tcp" in stdout
 
 
+def test_bench_shared_buffers_reduce_through_the_peers_arrays(tmp_path):
+    stdout, data = _bench(tmp_path, "--buffers", "shared", "--transport", "shm", "--sizes", "8,1M")
+    info = data["tfcs_info"]
+    # the 1 MiB calls (warm-up, check and timed ones) read the peers' shared arrays; 8 B took the small path
+    assert info["buffers"] == "shared" and info["direct_allreduces"] >= data["results"]["tfcs"]["1048576"]["iters"]
+    assert "transport shm" in stdout and "shared buffers" in stdout
+    stdout, data = _bench(tmp_path, "--transport", "shm", "--sizes", "1M")
+    assert data["tfcs_info"]["buffers"] == "private" and "private buffers" in stdout
+
+
 def test_bench_nccl_runs_without_tensorflow_on_the_fake_gpu(tmp_path):
     """`tfcs-bench --backend nccl` as a GPU host without TensorFlow runs it: every worker gets the fake
     GPU of tests/fakegpu (through sitecustomize) and an import of tensorflow fails."""

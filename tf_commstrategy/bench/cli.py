@@ -93,6 +93,8 @@ def run_job(impls: List[str], args, sizes: List[int]) -> Dict[str, Dict]:
                "--rounds", str(args.rounds), "--out", out]
         if "tfcs" in impls and args.backend:
             cmd += ["--backend", args.backend]
+        if "tfcs" in impls and args.buffers != "private":
+            cmd += ["--buffers", args.buffers]
         print(f"tfcs-bench: running {' and '.join(impls)} ({args.np} workers"
               f"{f', {args.rounds} rounds in turn' if len(impls) > 1 else ''})...", file=sys.stderr, flush=True)
         code = launcher.run(["-np", str(args.np), "--no-prefix"] + cmd)
@@ -257,6 +259,9 @@ def main(argv=None):
     p.add_argument("--backend", choices=["grpc", "nccl", "auto"], default="grpc")
     p.add_argument("--transport", choices=["auto", "shm", "unix", "tcp", "grpc"], default=None,
                    help="data path under the ring (TFCS_TRANSPORT; default auto: shared memory on one host)")
+    p.add_argument("--buffers", choices=["private", "shared"], default="private",
+                   help="tfcs's all-reduce arrays: private numpy arrays (default), or arrays from "
+                        "tfcs.shared_empty (one host: the all-reduce reads the peers' arrays in place)")
     p.add_argument("--compare", default="", help="comma-separated peers: tf-ring, gloo")
     p.add_argument("--budget", type=float, default=1.5, help="approximate seconds spent per size and impl")
     p.add_argument("--gap-ms", type=float, default=0.0,
@@ -309,7 +314,8 @@ def main(argv=None):
     add_round_ratios(results, raw)
     info = raw.get('tfcs', {}).get('info', {})
     print(f"\n{args.op}, {args.np} ranks, float32, backend {args.backend}, transport "
-          f"{info.get('transport', '?')}, all-reduce {info.get('allreduce', '?')}, calls "
+          f"{info.get('transport', '?')}, all-reduce {info.get('allreduce', '?')}, "
+          f"{'shared' if info.get('buffers') == 'shared' else 'private'} buffers, calls "
           f"{f'{args.gap_ms:g} ms apart (ranks busy in between)' if args.gap_ms else 'back to back'}"
           f"{f', the peers in the same processes, {args.rounds} rounds in turn' if args.interleave else ''}\n")
     print(table(results, sizes, args.op, args.np))
@@ -317,7 +323,7 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"op": args.op, "np": args.np, "backend": args.backend, "sizes": sizes, "gap_ms": args.gap_ms,
-                       "interleaved_rounds": args.rounds if args.interleave else None,
+                       "interleaved_rounds": args.rounds if args.interleave else None, "tfcs_info": info,
                        "results": {k: {str(s): v for s, v in r.items()} for k, r in results.items()}}, f, indent=1)
     if args.plot and results:
         plot(results, sizes, args.op, args.np, args.plot)

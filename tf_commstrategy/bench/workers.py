@@ -114,8 +114,14 @@ class TfcsSession(Session):
             assert np.all(host == size * (size + 1) / 2), "wrong allreduce result"
             if self.on_gpu:  # the nccl backend has no out=
                 return (lambda: tfcs.allreduce(x, op="sum")), None
-            # in place, as gloo's all_reduce: the input restored before each call, untimed
-            y = x.copy()
+            # in place, as gloo's all_reduce: the input restored before each call, untimed. With
+            # --buffers shared the array lives in shared memory (tfcs.shared_empty, a collective: every
+            # rank makes it at the same size)
+            if getattr(args, "buffers", "private") == "shared":
+                y = tfcs.shared_empty(n, np.float32)
+                y[:] = x
+            else:
+                y = x.copy()
             return (lambda: tfcs.allreduce(y, op="sum", out=y)), (lambda: np.copyto(y, x))
         if args.op == "broadcast":
             return (lambda: tfcs.broadcast(x, root_rank=0)), None
@@ -127,7 +133,10 @@ class TfcsSession(Session):
         from tf_commstrategy.process import default_group
         stats = {} if self.on_gpu else default_group().backend("grpc").stats()
         info = {"transport": "nccl" if self.on_gpu else stats["transport"],
-                "allreduce": stats.get("allreduce", "nccl")}
+                "allreduce": stats.get("allreduce", "nccl"),
+                # "shared": every all-reduce of at least DIRECT_MIN_BYTES read the peers' shared arrays
+                "buffers": "shared" if stats.get("direct_allreduces") else "private",
+                "direct_allreduces": stats.get("direct_allreduces", 0)}
         self.tfcs.shutdown()
         return info
 
@@ -259,6 +268,8 @@ def main():
     p.add_argument("--gap-ms", type=float, default=0.0, help="busy time before each timed call")
     p.add_argument("--rounds", type=int, default=1, help="rounds of an interleaved run")
     p.add_argument("--backend", default=None)
+    p.add_argument("--buffers", choices=["private", "shared"], default="private",
+                   help="tfcs's all-reduce arrays: np arrays, or tfcs.shared_empty arrays")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     impls = args.impl.split(",")

@@ -73,6 +73,9 @@ log = logging.getLogger("tf_commstrategy")
 
 READY, REDUCED, DONE = 8, 16, 24      # uint64 indices of the flags (byte offsets 64, 128, 192)
 INFO = 32                             # uint64 index of the piece header (byte offset 256)
+DIRECT = 36                           # uint64 index (byte offset 288): a direct all-reduce's shared array:
+                                      # allocation + 1 (0: none), byte offset, collective seq + 1
+DIRECT_PIECE = (1 << 32) - 1          # the piece number in the header of a direct all-reduce's handshake
 SIG_AT, SIG_MAX = 320, 1024           # signature text: byte offset, most bytes kept
 ENTERED = 192                         # uint64 index (byte offset 1536): the collective this rank is in, + 1
 ENTERED_SIG = 200                     # uint64 index (byte offset 1600): its signature's length; text at 1664
@@ -105,6 +108,7 @@ class FusionBuffers:
         self.spin_s = spin_s
         self.yield_s = YIELD_S if spin_s == 0 else 0.0
         self.gen = 0
+        self.direct_calls = 0  # all-reduces that went straight through the shared arrays
         # the one-round path: two slots at the start of the data area (none if the capacity is too small)
         self.small_bytes = max(0, min(SMALL_BYTES, capacity // 2 - SLOT_DATA_AT) // 64 * 64)
         self._slot_bytes = SLOT_DATA_AT + self.small_bytes
@@ -347,6 +351,91 @@ class FusionBuffers:
             if lo >= total:
                 return
 
+    def direct(self, arr: np.ndarray, found, op: ReduceOp, seq: int, sig: str, deadline: float, abort=None,
+               on_timeout=None) -> bool:
+        """An in-place all-reduce of ``arr`` straight through the ranks' shared arrays (``shm_shared``),
+        when every rank passes the same part of the same allocation; else only the handshake.
+
+        Every rank calls this for the same collective (the backend decides from job-wide facts). One
+        generation: each rank publishes its header (seq, elements, signature, and which allocation and
+        offset its array is, ``found``, or none) and ``ready``. If all headers name the same allocation
+        and offset, rank r reduces the r-th segment (``even_bounds``) of its own array with the peers'
+        r-th segments, read where they are, publishes ``reduced``, copies every other segment q from
+        rank q's array once q has published ``reduced``, publishes ``done`` and waits for every peer's
+        ``done`` (they have stopped reading its array: it is the caller's again). Otherwise each rank
+        publishes ``done`` after reading the headers and the caller runs its usual path.
+
+        Args:
+          arr: this rank's 1-D C-contiguous array, reduced in place.
+          found: ``(SharedAllocation, byte offset)`` of ``arr``, or None (a private array).
+          op, seq, sig, deadline, abort, on_timeout: as in ``allreduce``.
+
+        Returns:
+          True when ``arr`` holds the result; False when the ranks did not all pass a shared array
+          (``arr`` untouched).
+
+        Raises:
+          CollectiveMismatchError, PeerLostError, CollectiveTimeoutError: as in ``allreduce``.
+        """
+        self._current = (seq, sig)
+        if on_timeout is None:
+            on_timeout = self._default_timeout(seq, sig)
+        g = self.gen + 1
+        r, W = self.rank, self.size
+        n = arr.size
+        sig_b = sig.encode()[:SIG_MAX]
+        mine = self._ctl[r]
+        # the peers have read my last header (a large piece's is read after its ready)
+        self._wait(DONE, g - 1, self._peers, deadline, abort, on_timeout)
+        alloc, off = found if found is not None else (None, 0)
+        ident = alloc.ident + 1 if alloc is not None else 0
+        mine[INFO:INFO + 4] = (seq, DIRECT_PIECE, n, len(sig_b))
+        mine[DIRECT:DIRECT + 3] = (ident, off, seq + 1)
+        self._segs[r].mm[SIG_AT:SIG_AT + len(sig_b)] = sig_b
+        fence()
+        mine[READY] = g
+        self._ring_peers()
+        self._wait(READY, g, self._peers, deadline, abort, on_timeout)
+        agree = alloc is not None
+        for q in self._peers:
+            self._check(q, seq, DIRECT_PIECE, n, sig_b, sig)
+            if tuple(int(x) for x in self._ctl[q][DIRECT:DIRECT + 3]) != (ident, off, seq + 1):
+                agree = False
+        self.gen = g
+        self._last_small = False
+        if not agree:
+            fence()
+            mine[DONE] = g  # my reads of the headers are over
+            self._ring_peers()
+            return False
+        dtype = arr.dtype
+        theirs = {q: alloc.views[q][off:off + arr.nbytes].view(dtype) for q in self._peers}
+        b = even_bounds(n, W)
+        s0, s1 = b[r], b[r + 1]
+        if s1 > s0:
+            wide = needs_wide_accumulator(dtype, op)
+            acc = arr[s0:s1].astype(np.float32) if wide else arr[s0:s1]
+            for q in self._peers:
+                other = theirs[q][s0:s1]
+                combine_into(acc, other.astype(np.float32) if wide else other, op)
+            if op is ReduceOp.MEAN:
+                finish_mean(acc, W)
+            if wide:
+                arr[s0:s1] = acc
+        fence()
+        mine[REDUCED] = g
+        self._ring_peers()
+        for k in range(1, W):
+            q = (r + k) % W
+            self._wait(REDUCED, g, (q,), deadline, abort, on_timeout)
+            arr[b[q]:b[q + 1]] = theirs[q][b[q]:b[q + 1]]
+        fence()  # off x86: my reads of the peers' arrays come before the word that lets them write again
+        mine[DONE] = g
+        self._ring_peers()
+        self._wait(DONE, g, self._peers, deadline, abort, on_timeout)
+        self.direct_calls += 1
+        return True
+
     def _allreduce_small(self, src: Spans, dst: Spans, dtype: np.dtype, n: int, op: ReduceOp, seq: int, sig: str,
                          deadline: float, abort, on_timeout) -> None:
         """The one-round path (module docstring): every rank reduces the whole array from the slots."""
@@ -412,9 +501,12 @@ class FusionBuffers:
     def _mismatch(self, q: int, seq: int, sig: str, piece: int, n: int, their_seq: int, their_sig: bytes,
                   their_piece: int, their_n: int):
         text = their_sig.decode(errors="replace")
+
+        def what(p):
+            return "shared-array handshake" if p == DIRECT_PIECE else f"piece {p}"
         raise CollectiveMismatchError(
-            f"collective #{seq} mismatch in the shared-memory all-reduce: this rank called [{sig}] (piece {piece}, "
-            f"{n} elements) but rank {q} called #{their_seq} [{text}] (piece {their_piece}, {their_n} elements)",
+            f"collective #{seq} mismatch in the shared-memory all-reduce: this rank called [{sig}] ({what(piece)}, "
+            f"{n} elements) but rank {q} called #{their_seq} [{text}] ({what(their_piece)}, {their_n} elements)",
             rank=self.rank, seq=seq, local_signature=sig, remote_signature=text, remote_rank=q,
             fix="every rank must issue the same collectives in the same order with the same op, dtype and shape")
 
