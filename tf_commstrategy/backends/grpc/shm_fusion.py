@@ -322,17 +322,7 @@ class FusionBuffers:
             # 3. reduce my segment of the piece
             b = even_bounds(n, W)
             s0, s1 = b[r], b[r + 1]
-            if s1 > s0:
-                acc = views[r][s0:s1]
-                if wide:
-                    acc = acc.astype(np.float32)
-                for q in self._peers:
-                    other = views[q][s0:s1]
-                    combine_into(acc, other.astype(np.float32) if wide else other, op)
-                if op is ReduceOp.MEAN:
-                    finish_mean(acc, W)
-                if wide:
-                    views[r][s0:s1] = acc
+            self._reduce_segment(views[r][s0:s1], [views[q][s0:s1] for q in self._peers], op, wide)
             fence()
             mine_ctl[REDUCED] = g
             self._ring_peers()
@@ -350,6 +340,19 @@ class FusionBuffers:
             lo = hi
             if lo >= total:
                 return
+
+    def _reduce_segment(self, mine: np.ndarray, others: Sequence[np.ndarray], op: ReduceOp, wide: bool) -> None:
+        """``mine`` (in place) combined with each of ``others`` (the peers' same segment), in that order;
+        float16 / bfloat16 accumulated in float32 when ``wide``."""
+        if mine.size == 0:
+            return
+        acc = mine.astype(np.float32) if wide else mine
+        for other in others:
+            combine_into(acc, other.astype(np.float32) if wide else other, op)
+        if op is ReduceOp.MEAN:
+            finish_mean(acc, self.size)
+        if wide:
+            mine[...] = acc
 
     def direct(self, arr: np.ndarray, found, op: ReduceOp, seq: int, sig: str, deadline: float, abort=None,
                on_timeout=None) -> bool:
@@ -412,16 +415,8 @@ class FusionBuffers:
         theirs = {q: alloc.views[q][off:off + arr.nbytes].view(dtype) for q in self._peers}
         b = even_bounds(n, W)
         s0, s1 = b[r], b[r + 1]
-        if s1 > s0:
-            wide = needs_wide_accumulator(dtype, op)
-            acc = arr[s0:s1].astype(np.float32) if wide else arr[s0:s1]
-            for q in self._peers:
-                other = theirs[q][s0:s1]
-                combine_into(acc, other.astype(np.float32) if wide else other, op)
-            if op is ReduceOp.MEAN:
-                finish_mean(acc, W)
-            if wide:
-                arr[s0:s1] = acc
+        self._reduce_segment(arr[s0:s1], [theirs[q][s0:s1] for q in self._peers], op,
+                             needs_wide_accumulator(dtype, op))
         fence()
         mine[REDUCED] = g
         self._ring_peers()
