@@ -15,6 +15,10 @@ CASES = [
      "total img/sec on 2 workers"),
     (["examples/per_call_backend.py", "--steps", "5"], "gradients via grpc, metrics via grpc"),
     (["examples/collective_demo.py"], "allgather=[0, 1, 1]"),
+    # 2 workers on one host: every gradient all-reduce reads the peer's shared array in place
+    (["examples/shared_arrays.py", "--steps", "12"],
+     "weights identical on 2 workers: True; gradient all-reduces straight through the shared arrays on rank 0: "
+     "12 of 12"),
 ]
 
 
