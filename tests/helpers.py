@@ -70,6 +70,24 @@ def kept_log_messages(level=None) -> list:
     return messages
 
 
+def leaked_shm_segments(before) -> list:
+    """tf_commstrategy segments in /dev/shm that are not in ``before`` and whose creating process is
+    gone: a leak. Segments of live processes (another test's, under ``pytest -n 2``) do not count."""
+    from tf_commstrategy.backends.grpc import shm_memory as M
+    left = []
+    for name in set(os.listdir(M.SHM_DIR)) - set(before):
+        if not name.startswith(M.PREFIX):
+            continue
+        try:
+            pid = int(name[len(M.PREFIX):].split("-", 1)[0])
+        except ValueError:
+            left.append(name)
+            continue
+        if not M.pid_alive(pid):
+            left.append(name)
+    return sorted(left)
+
+
 def _entry(fn, rank, size, port, env, args, q):
     faulthandler.enable()
     faulthandler.dump_traceback_later(int(env.pop("_TFCS_TEST_DUMP_S", "600")), exit=False)

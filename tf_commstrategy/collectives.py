@@ -321,9 +321,9 @@ def shared_empty(shape, dtype="float32", *, timeout: Optional[float] = None) -> 
     docs/benchmarks.md). Anything else works on it as on any numpy array. The memory stays mapped until
     ``tfcs.shutdown()``: allocate buffers once and reuse them.
 
-    When the job's ranks do not all share one host's memory (or /dev/shm cannot hold the array, which
-    is logged once), every rank gets a private ``np.empty`` array instead, and the all-reduce works as
-    usual.
+    When the job's ranks do not all share one host's memory (or a rank's /dev/shm cannot hold the
+    array: that rank and rank 0 log why), every rank gets a private ``np.empty`` array instead, and
+    the all-reduce works as usual.
 
     Args:
       shape: int or tuple of ints.
@@ -338,6 +338,8 @@ def shared_empty(shape, dtype="float32", *, timeout: Optional[float] = None) -> 
       CollectiveMismatchError: the ranks asked for different sizes.
       NotInitializedError: ``tfcs.init()`` has not been called.
       RendezvousError: a rank did not arrive before the deadline.
+      CollectiveError: the process group failed earlier. After any of these errors the group is
+        unusable, as after a failed collective.
     """
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     try:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import run_workers
+from tests.helpers import leaked_shm_segments, run_workers
 from tf_commstrategy.backends.grpc import shm_memory as M
 from tf_commstrategy.backends.grpc.backend import DIRECT_ABOVE_BYTES
 
@@ -121,6 +121,35 @@ def test_in_place_allreduce_of_shared_arrays_matches_numpy_and_reads_the_peers_d
         assert out["stats"]["shared_arrays"] is True
 
 
+def _repeated_with_new_values(rank, size, calls):
+    """Back-to-back direct all-reduces of one shared array, refilled before each call: a rank that
+    returned while a peer still read its array would hand that peer the next call's values."""
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.process import default_group
+    tfcs.init(transport="shm", timeout=60)
+    y = tfcs.shared_empty(1 << 18, np.float64)  # 2 MiB
+    rng = np.random.default_rng(rank)
+    wrong = []
+    for i in range(calls):
+        if rng.random() < 0.1:
+            time.sleep(rng.random() * 0.002)  # ranks drift apart
+        y[:] = rank * 1000 + i
+        tfcs.allreduce(y, out=y)
+        want = sum(r * 1000 + i for r in range(size))
+        if not (y == want).all():
+            wrong.append((i, float(y.min()), float(y.max()), want))
+    return wrong, _direct(default_group().backend("grpc"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size,env", [(2, {}), (3, {}), (2, {"TFCS_SHM_FUSION_BYTES": "0"})],
+                         ids=["2", "3", "2-fusion-off"])
+def test_back_to_back_direct_allreduces_with_new_values_keep_every_call_apart(size, env):
+    # fusion off: the handshake runs on flag buffers made at the first shared_empty
+    for wrong, direct in run_workers(_repeated_with_new_values, size, 200, timeout=240, env=env):
+        assert wrong == [] and direct == 200, (wrong[:5], direct)
+
+
 def _without_shared_memory(rank, size, how):
     import tf_commstrategy as tfcs
     from tf_commstrategy.backends.grpc import shm_memory
@@ -157,14 +186,21 @@ def _mismatched_sizes(rank, size):
     try:
         tfcs.shared_empty(100 + rank, np.float32)
     except tfcs.CollectiveMismatchError as e:
-        return str(e)
-    return "no error"
+        first = str(e)
+    else:
+        return "no error", None
+    try:  # the group is unusable afterwards, as after a failed collective
+        tfcs.allreduce(np.ones(4, np.float32))
+    except tfcs.TfcsError as e:
+        return first, type(e).__name__
+    return first, "no error"
 
 
-def test_ranks_asking_for_different_shapes_get_a_mismatch_error():
+def test_ranks_asking_for_different_shapes_get_a_mismatch_error_and_the_group_stops():
     res = run_workers(_mismatched_sizes, 2, timeout=120)
-    assert "rank 1 asked for shape=(101,)" in res[0] and "this rank asked for shape=(100,)" in res[0], res[0]
-    assert "rank 0 asked for shape=(100,)" in res[1]
+    assert "rank 1 asked for shape=(101,)" in res[0][0] and "this rank asked for shape=(100,)" in res[0][0], res
+    assert "rank 0 asked for shape=(100,)" in res[1][0]
+    assert {r[1] for r in res} <= {"CollectiveError", "CollectiveAbortedError"}, res
 
 
 def _killed_mid_direct(rank, size):
@@ -186,6 +222,7 @@ def _killed_mid_direct(rank, size):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.skipif(M.free_mib() < 512, reason="needs 3 x 64 MiB of /dev/shm for the shared arrays")
 def test_kill9_mid_direct_allreduce_leaves_no_segment_and_gives_peer_lost():
     before = set(os.listdir(M.SHM_DIR))
     res = run_workers(_killed_mid_direct, 3, timeout=150, expect_failure=True)
@@ -194,8 +231,7 @@ def test_kill9_mid_direct_allreduce_leaves_no_segment_and_gives_peer_lost():
         name, peer, dt, direct = res[r][1]
         assert (name, peer) == ("PeerLostError", 2), res[r]
         assert dt < 15 and direct > 0, res[r]
-    left = [f for f in set(os.listdir(M.SHM_DIR)) - before if f.startswith(M.PREFIX)]
-    assert left == []
+    assert leaked_shm_segments(before) == []
 
 
 def _mappings_after_shutdown(rank, size):

@@ -134,7 +134,7 @@ class TfcsSession(Session):
         stats = {} if self.on_gpu else default_group().backend("grpc").stats()
         info = {"transport": "nccl" if self.on_gpu else stats["transport"],
                 "allreduce": stats.get("allreduce", "nccl"),
-                # "shared": every all-reduce of at least DIRECT_MIN_BYTES read the peers' shared arrays
+                # "shared": all-reduces above DIRECT_ABOVE_BYTES read the peers' shared arrays
                 "buffers": "shared" if stats.get("direct_allreduces") else "private",
                 "direct_allreduces": stats.get("direct_allreduces", 0)}
         self.tfcs.shutdown()

@@ -122,6 +122,8 @@ class GrpcRingBackend(Backend):
             spin = shm_memory.spin_seconds(self.size)
             links_problem = self._ring.shm_problem()
             fusion_bytes = config.shm_fusion_bytes_from_env()
+            if self.size == 2:  # only the one-round path's two slots are used
+                fusion_bytes = min(fusion_bytes, shm_fusion.SMALL_PATH_CAPACITY)
             self._fusion, fusion_problem = shm_fusion.FusionBuffers.create(
                 g.store, self.rank, self.size, [x.pid for x in w], self.describe, fusion_bytes,
                 g.rendezvous_timeout, spin, known_problem=links_problem)
@@ -130,10 +132,14 @@ class GrpcRingBackend(Backend):
             fusion_state = ("used" if self._fusion is not None
                             else "off" if fusion_bytes <= 0 else "dropped")
             self._direct = self._fusion
-            self._direct_tried = self._fusion is not None or fusion_bytes > 0  # a failure there stands
+            self._direct_tried = self._fusion is not None  # the same on every rank (not each rank's setting)
             if self._fusion is not None and self.rank == 0:
-                log.info("tf_commstrategy: all-reduce through shared buffers (%d ranks on one host, %d MiB each)",
-                         self.size, self._fusion.capacity >> 20)
+                if self.size == 2:
+                    log.info("tf_commstrategy: all-reduces of at most %d KiB through shared buffers (2 ranks on one "
+                             "host)", self._fusion.small_bytes >> 10)
+                else:
+                    log.info("tf_commstrategy: all-reduce through shared buffers (%d ranks on one host, %d MiB "
+                             "each)", self.size, self._fusion.capacity >> 20)
         # Hierarchy (several hosts, several ranks on some): all-reduce within each host, then among one
         # leader per host, then broadcast within the host, as NCCL and MPI do.
         hosts = {}
@@ -412,17 +418,25 @@ class GrpcRingBackend(Backend):
             if self._failed is not None:
                 raise CollectiveError(f"the process group is unusable after an earlier error: {self._failed}",
                                       rank=self.rank, fix="shut down (tfcs.shutdown()) and restart the job")
-            if not self._direct_tried:
-                self._direct_tried = True
-                self._direct, problem = shm_fusion.FusionBuffers.create(
-                    g.store, self.rank, self.size, [x.pid for x in g.workers], self.describe, DIRECT_FLAGS_BYTES,
-                    wait, shm_memory.spin_seconds(self.size), prefix="shmdirect")
-                if problem:
-                    log.warning("tf_commstrategy rank %d: shared arrays unavailable (%s); shared_empty hands out "
-                                "private memory", self.rank, problem)
-            if self._direct is None:  # every rank alike
-                return np.empty(shape, dtype)
-            u8 = self._shared.allocate(g.store, nbytes, f"shape={tuple(shape)} dtype={dtype}", wait)
+            try:
+                return self._shared_empty_locked(shape, dtype, nbytes, wait)
+            except TfcsError as e:  # ranks may now disagree on what they hold: the group is done, as after
+                self._fail(e, notify_peers=True)  # any failed collective
+                raise
+
+    def _shared_empty_locked(self, shape, dtype, nbytes: int, wait: float) -> np.ndarray:
+        g = self.group
+        if not self._direct_tried:  # no shared all-reduce buffers (turned off, or they could not be made)
+            self._direct_tried = True
+            self._direct, problem = shm_fusion.FusionBuffers.create(
+                g.store, self.rank, self.size, [x.pid for x in g.workers], self.describe, DIRECT_FLAGS_BYTES,
+                wait, shm_memory.spin_seconds(self.size), prefix="shmdirect")
+            if problem:
+                log.warning("tf_commstrategy rank %d: shared arrays unavailable (%s); shared_empty hands out "
+                            "private memory", self.rank, problem)
+        if self._direct is None:  # every rank alike
+            return np.empty(shape, dtype)
+        u8 = self._shared.allocate(g.store, nbytes, f"shape={tuple(shape)} dtype={dtype}", wait)
         return np.empty(shape, dtype) if u8 is None else u8.view(dtype).reshape(shape)
 
     def allreduce_many(self, bufs: List[np.ndarray], op: ReduceOp, timeout=None,

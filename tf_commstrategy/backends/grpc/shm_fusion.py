@@ -84,6 +84,7 @@ SMALL_BYTES = 64 << 10                # largest all-reduce (input bytes) that ta
 SLOT_HEAD = struct.Struct("<QQQ")    # a slot's header: collective seq, elements, signature length
 SLOT_DATA_AT = 64 + SIG_MAX           # a slot: [0, 64) header (seq, elements, signature length), signature,
                                       # then the data
+SMALL_PATH_CAPACITY = 2 * (SLOT_DATA_AT + SMALL_BYTES)  # a data area that holds exactly the two slots
 
 
 class FusionBuffers:
@@ -239,6 +240,7 @@ class FusionBuffers:
         ctl = self._ctl
         pending = [q for q in ranks if int(ctl[q][flag]) < at_least]
         if not pending:
+            fence()  # off x86: the flags before the data they publish (as on the slow path)
             return
         spin_end = time.monotonic() + self.spin_s
         while True:
