@@ -53,7 +53,6 @@ rank has mapped it, stale ones of killed jobs removed at the next start.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import struct
@@ -132,7 +131,7 @@ class FusionBuffers:
         """
         reason = "turned off (TFCS_SHM_FUSION_BYTES=0)" if capacity <= 0 else (known_problem or
                                                                                shm_memory.available())
-        warned = known_problem is not None or capacity <= 0
+        warned = known_problem is not None or capacity <= 0  # reported already, or not a problem
         seg = None
         capacity = (max(capacity, 0) + 63) // 64 * 64
         if reason is None:
@@ -141,48 +140,14 @@ class FusionBuffers:
             except OSError as e:
                 reason = (f"cannot reserve {(HEADER_BYTES + capacity) >> 20} MiB in {shm_memory.SHM_DIR} "
                           f"({e}; {shm_memory.free_mib()} MiB free)")
-        peers, caps = {}, [capacity]
-        try:
-            store.set(f"{prefix}/seg/{rank}", json.dumps({"path": seg.path if seg else None, "why": reason,
-                                                          "capacity": capacity}))
-            for q in range(size):
-                if q == rank:
-                    continue
-                theirs = json.loads(store.get(f"{prefix}/seg/{q}", timeout))
-                caps.append(int(theirs.get("capacity") or 0))
-                if reason is not None:
-                    continue
-                if not theirs["path"]:
-                    reason, warned = f"rank {q}: {theirs['why']}", True  # that rank warns
-                    continue
-                try:
-                    peers[q] = Segment.attach(theirs["path"])
-                except OSError as e:
-                    reason = f"cannot map rank {q}'s buffer: {e}"
-            store.set(f"{prefix}/ok/{rank}", "1" if reason is None else "0")
-            # Every rank's answer, not the first "0": a rank that stopped reading at a peer's "0" would unlink
-            # its segment while a later peer is still mapping it (that peer then fails on a missing file).
-            answers = [store.get(f"{prefix}/ok/{q}", timeout) for q in range(size) if q != rank]
-            everyone = all(a == "1" for a in answers)
-            if seg is not None:
-                seg.unlink()  # every peer has mapped it (or given up): nothing stays in /dev/shm
-            if reason is None and not everyone:
-                reason, warned = "a peer could not create or map its buffer", True
-            if reason is not None:
-                for s in list(peers.values()) + ([seg] if seg is not None else []):
-                    s.close()
-                log.debug("tf_commstrategy rank %d: shared all-reduce buffers unavailable (%s); all-reduce uses the "
-                          "ring instead", rank, reason)
-                return None, (None if warned else reason)
-            return cls(rank, size, seg, peers, min(caps), pids, describe, spin_s), None
-        except BaseException:  # the store failed us (a peer gone, a deadline): leave nothing in /dev/shm
-            for s in peers.values():
-                s.close()
-            if seg is not None:
-                seg.unlink()
-                seg.close()
-            shm_memory.remove_stale_segments()  # and a peer's, if it died before unlinking it (kill -9 mid-setup)
-            raise
+        peers, reason, own, theirs = shm_memory.map_all_ranks(store, prefix, rank, size, seg, reason,
+                                                              {"capacity": capacity}, timeout)
+        if reason is not None:
+            log.debug("tf_commstrategy rank %d: shared all-reduce buffers unavailable (%s); all-reduce uses the "
+                      "ring instead", rank, reason)
+            return None, (reason if own and not warned else None)  # a peer's cause: that rank warns
+        caps = [capacity] + [int(t.get("capacity") or 0) for t in theirs.values()]
+        return cls(rank, size, seg, peers, min(caps), pids, describe, spin_s), None
 
     def close(self) -> None:
         self._ctl, self._data, self._bells, self._bell = {}, {}, {}, None  # no view may outlive the mappings

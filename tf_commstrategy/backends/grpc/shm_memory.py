@@ -21,6 +21,7 @@ Used by the ring's shared-memory links (``shm_transport``) and the shared all-re
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import mmap
 import os
@@ -243,6 +244,65 @@ class Segment:
             self.mm.close()
         except BufferError:  # a view is still alive somewhere: the mapping goes when that view does
             log.debug("tf_commstrategy: %s stays mapped until its last view is released", self.path)
+
+
+def map_all_ranks(store, prefix: str, rank: int, size: int, seg: Optional[Segment], why: Optional[str],
+                  facts: dict, timeout: float, check=None):
+    """One collective step in which every rank publishes its own segment and maps every peer's.
+
+    Every rank calls it at the same point, with ``seg`` (its new segment) or ``why`` it has none. It
+    publishes the segment's name with ``facts`` over the authenticated ``store``, reads every peer's,
+    calls ``check(theirs)`` (which may raise), maps the peers' segments, and learns whether every rank
+    succeeded. Its own segment is unlinked once every rank has answered, so nothing stays in /dev/shm.
+
+    Returns:
+      ``(peers, why, own, theirs)``: ``peers`` {rank: Segment} mapped here, or {} with ``why`` when
+      any rank failed (every rank alike; ``seg`` is then closed too); ``own`` whether the cause is this
+      rank's (its own ``why``, or a peer's segment it could not map) rather than a peer's, which that
+      peer reports; ``theirs`` {rank: the facts it published (with "path" and "why")}.
+
+    Raises:
+      whatever the store or ``check`` raises, after closing every mapping, unlinking ``seg`` and
+      sweeping the segments of dead creators (a peer killed mid-setup).
+    """
+    own = why is not None
+    peers, theirs = {}, {}
+    try:
+        store.set(f"{prefix}/seg/{rank}", json.dumps(dict(facts, path=seg.path if seg else None, why=why)))
+        theirs = {q: json.loads(store.get(f"{prefix}/seg/{q}", timeout)) for q in range(size) if q != rank}
+        if check is not None:
+            check(theirs)
+        if why is None:
+            for q, t in theirs.items():
+                if not t["path"]:
+                    why = f"rank {q}: {t['why']}"
+                    break
+                try:
+                    peers[q] = Segment.attach(t["path"])
+                except OSError as e:
+                    why, own = f"cannot map rank {q}'s segment: {e}", True
+                    break
+        store.set(f"{prefix}/ok/{rank}", "1" if why is None else "0")
+        # Every rank's answer, not the first "0": a rank that stopped reading at a peer's "0" would unlink
+        # its segment while a later peer is still mapping it (that peer then fails on a missing file).
+        everyone = all([store.get(f"{prefix}/ok/{q}", timeout) == "1" for q in range(size) if q != rank])
+    except BaseException:
+        for s in peers.values():
+            s.close()
+        if seg is not None:
+            seg.unlink()
+            seg.close()
+        remove_stale_segments()  # and a peer's, if it died before unlinking it (kill -9 mid-setup)
+        raise
+    if seg is not None:
+        seg.unlink()  # every peer has mapped it (or given up)
+    if why is None and not everyone:
+        why = "a peer could not create or map its segment"
+    if why is not None:
+        for s in list(peers.values()) + ([seg] if seg is not None else []):
+            s.close()
+        return {}, why, own, theirs
+    return peers, None, own, theirs
 
 
 class Bell:

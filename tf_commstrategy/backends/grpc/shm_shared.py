@@ -19,7 +19,6 @@ allocation stays mapped until the process group shuts down: allocate buffers onc
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import List, Optional, Tuple
 
@@ -69,22 +68,15 @@ class SharedArrays:
         """
         k = self.count
         self.count += 1
-        prefix = f"shared/{k}"
         seg, why = None, shm_memory.available()
-        own = why is not None  # the problem is this rank's own (else a peer's, which that peer reports)
         if why is None:
             try:
                 seg = Segment.create(max(nbytes, 1), "shared")
             except OSError as e:
-                own = True
                 why = (f"cannot reserve {nbytes >> 20} MiB in {shm_memory.SHM_DIR} ({e}; "
                        f"{shm_memory.free_mib()} MiB free)")
-        segs = {}
-        try:
-            store.set(f"{prefix}/seg/{self.rank}", json.dumps({"path": seg.path if seg else None, "why": why,
-                                                               "nbytes": nbytes, "what": what}))
-            theirs = {q: json.loads(store.get(f"{prefix}/seg/{q}", timeout)) for q in range(self.size)
-                      if q != self.rank}
+
+        def same_size(theirs):
             for q, t in theirs.items():
                 if int(t["nbytes"]) != nbytes:
                     raise CollectiveMismatchError(
@@ -92,39 +84,15 @@ class SharedArrays:
                         f"{q} asked for {t['what']} ({t['nbytes']} bytes)", rank=self.rank, seq=k,
                         local_signature=what, remote_signature=str(t["what"]), remote_rank=q,
                         fix="every rank must call shared_empty with the same shape and dtype in the same order")
-            if why is None:
-                for q, t in theirs.items():
-                    if not t["path"]:
-                        why = f"rank {q}: {t['why']}"
-                        break
-                    try:
-                        segs[q] = Segment.attach(t["path"])
-                    except OSError as e:
-                        why, own = f"cannot map rank {q}'s shared array: {e}", True
-                        break
-            store.set(f"{prefix}/ok/{self.rank}", "1" if why is None else "0")
-            everyone = all(store.get(f"{prefix}/ok/{q}", timeout) == "1" for q in range(self.size) if q != self.rank)
-        except BaseException:
-            for s in segs.values():
-                s.close()
-            if seg is not None:
-                seg.unlink()
-                seg.close()
-            raise
-        if seg is not None:
-            seg.unlink()  # every peer has mapped it (or given up): nothing stays in /dev/shm
-        if why is None and not everyone:
-            why = "a peer could not create or map its shared array"
+        segs, why, own, _ = shm_memory.map_all_ranks(store, f"shared/{k}", self.rank, self.size, seg, why,
+                                                     {"nbytes": nbytes, "what": what}, timeout, check=same_size)
         if why is not None:
-            for s in list(segs.values()) + ([seg] if seg is not None else []):
-                s.close()
             if own or self.rank == 0:
                 log.warning("tf_commstrategy rank %d: shared_empty(%s) hands out private memory (%s); all-reduces "
                             "of it copy through the ring as usual", self.rank, what, why)
             return None
         segs[self.rank] = seg
-        alloc = SharedAllocation(k, segs, nbytes, self.rank)
-        self._allocs.append(alloc)
+        self._allocs.append(SharedAllocation(k, segs, nbytes, self.rank))
         return seg.u8[:nbytes]
 
     @property
