@@ -26,6 +26,7 @@ DEFAULT_BACKEND = "auto"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # a silent ring neighbour is declared lost after this long (0: off)
 DEFAULT_TF_THREADS = "auto"         # TF pool sizes: cores // local workers when several share a host
 DEFAULT_SHM_FUSION_BYTES = 8 << 20  # each rank's shared all-reduce buffer when the whole job is on one host
+DEFAULT_SHM_CMA_BYTES = 4 << 20  # all-reduces from this size read the peers' arrays (one host)
 
 _SIZE_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
                 "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -199,6 +200,23 @@ def hierarchical_from_env(environ=None) -> bool:
     hosts with several ranks on some; 0 keeps the flat ring."""
     return env_value("TFCS_HIERARCHICAL", lambda s: s.strip().lower() not in ("0", "false", "no", "off"), True,
                      environ)
+
+
+def shm_cma_bytes_from_env(environ=None) -> int:
+    """``TFCS_SHM_CMA``: with every rank on one host, the smallest all-reduce (bytes) of private arrays that
+    reads the peers' arrays by cross-memory attach (``process_vm_readv``) instead of taking the ring
+    (default 4 MiB; 0 turns it off). Used only where every rank could read every peer at setup.
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      Bytes (0: off).
+
+    Raises:
+      ConfigurationError: the value is invalid.
+    """
+    return env_value("TFCS_SHM_CMA", parse_size, DEFAULT_SHM_CMA_BYTES, environ)
 
 
 def shm_fusion_bytes_from_env(environ=None) -> int:

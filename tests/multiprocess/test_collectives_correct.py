@@ -79,23 +79,31 @@ def matrix_worker(rank, size, seed):
                 err = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)) /
                                    np.maximum(1.0, np.abs(want.astype(np.float64))))) if n else 0.0
                 report.append((dname, op, n, err, got if n <= 1000 else None))
-    return report
+    if size == 1:
+        return report, 0
+    from tf_commstrategy.process import default_group
+    return report, default_group().backend("grpc").stats()["cma_allreduces"]
 
 
 # Every data path: shared all-reduce buffers (the default when the job is on one host; whole and in
-# pieces of 4 KiB), the ring over shared memory, unix sockets, gRPC, opt-in raw TCP.
-NO_BUFFERS = "shm-ring"  # transport "auto" with the shared all-reduce buffers off (TFCS_SHM_FUSION_BYTES=0)
+# pieces of 4 KiB), cross-memory reads (the default from 4 MiB on one host; here from 64 KiB), the ring
+# over shared memory, unix sockets, gRPC, opt-in raw TCP.
+NO_BUFFERS = "shm-ring"  # transport "auto" with the shared all-reduce buffers and cross-memory reads off
 SMALL_BUFFERS = "shm-4k"  # ... with 4 KiB buffers, so every large all-reduce goes in many pieces
+CROSS_MEMORY = "shm-cma"  # ... every all-reduce above 64 KiB reads the peers' arrays (process_vm_readv)
 # World sizes 2-4 on every transport: a 2-rank ring's two links go to the same peer; 3 ranks: an odd
 # ring; 4: an even ring of more than one hop (and, for shared memory, more ranks than cores here).
 TRANSPORTS = [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (3, SMALL_BUFFERS),
-              (2, NO_BUFFERS), (3, NO_BUFFERS), (4, NO_BUFFERS), (2, "unix"), (3, "unix"), (4, "unix"),
+              (2, CROSS_MEMORY), (3, CROSS_MEMORY), (2, NO_BUFFERS), (3, NO_BUFFERS), (4, NO_BUFFERS),
+              (2, "unix"), (3, "unix"), (4, "unix"),
               (2, "grpc"), (3, "grpc"), (4, "grpc"), (2, "tcp"), (3, "tcp"), (4, "tcp")]
 
 
 def transport_env(transport):
     if transport == NO_BUFFERS:
-        return {"TFCS_TRANSPORT": "auto", "TFCS_SHM_FUSION_BYTES": "0"}
+        return {"TFCS_TRANSPORT": "auto", "TFCS_SHM_FUSION_BYTES": "0", "TFCS_SHM_CMA": "0"}
+    if transport == CROSS_MEMORY:
+        return {"TFCS_TRANSPORT": "auto", "TFCS_SHM_CMA": "1K"}
     if transport == SMALL_BUFFERS:
         return {"TFCS_TRANSPORT": "auto", "TFCS_SHM_FUSION_BYTES": "4K"}
     return {"TFCS_TRANSPORT": transport}
@@ -106,6 +114,18 @@ def transport_env(transport):
 def test_allreduce_matrix_matches_numpy(size, transport):
     seed = 1234 + size
     results = run_workers(matrix_worker, size, seed, timeout=540, env=transport_env(transport))
+    # on one host the all-reduces above the cross-memory threshold (4 MiB; 1 KiB for CROSS_MEMORY) that
+    # need no float32 accumulator (float16 / bfloat16 sums, means, products do) read the peers' arrays;
+    # nothing else does (a path that quietly fell back would pass the numbers alone)
+    threshold = {"auto": 4 << 20, SMALL_BUFFERS: 4 << 20, CROSS_MEMORY: 1 << 10}.get(transport)
+    want = 0
+    if size > 1 and threshold is not None:
+        want = len([1 for d in DTYPES for op in OPS for n in SIZES
+                    if (d != "bool" or op in ("min", "max")) and n * _dtype(d).itemsize >= threshold
+                    and n * _dtype(d).itemsize > 64 << 10
+                    and not (d in ("float16", "bfloat16") and op in ("sum", "mean", "prod"))])
+    assert [c for _, c in results] == [want] * size, ([c for _, c in results], want)
+    results = [report for report, _ in results]
     for rank, report in enumerate(results):
         assert len(report) == (len(DTYPES) - 1) * len(OPS) * len(SIZES) + 2 * len(SIZES)
         for dname, op, n, err, got in report:

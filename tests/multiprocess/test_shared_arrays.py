@@ -142,10 +142,10 @@ def _repeated_with_new_values(rank, size, calls):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("size,env", [(2, {}), (3, {}), (2, {"TFCS_SHM_FUSION_BYTES": "0"})],
+@pytest.mark.parametrize("size,env", [(2, {}), (3, {}), (2, {"TFCS_SHM_FUSION_BYTES": "0", "TFCS_SHM_CMA": "0"})],
                          ids=["2", "3", "2-fusion-off"])
 def test_back_to_back_direct_allreduces_with_new_values_keep_every_call_apart(size, env):
-    # fusion off: the handshake runs on flag buffers made at the first shared_empty
+    # fusion and cross-memory reads off: the handshake runs on flag buffers made at the first shared_empty
     for wrong, direct in run_workers(_repeated_with_new_values, size, 200, timeout=240, env=env):
         assert wrong == [] and direct == 200, (wrong[:5], direct)
 

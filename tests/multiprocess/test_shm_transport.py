@@ -129,6 +129,8 @@ def test_a_neighbours_bell_that_cannot_be_mapped_falls_back_to_unix_sockets():
 
 
 def _killed_mid_allreduce(rank, size, transport):
+    if transport in ("shm", "shm-ring"):  # no cross-memory reads (test_cross_memory kills those)
+        os.environ["TFCS_SHM_CMA"] = "0"
     if transport == "shm-ring":  # the ring over shared memory, without the shared all-reduce buffers
         os.environ["TFCS_SHM_FUSION_BYTES"] = "0"
         transport = "shm"

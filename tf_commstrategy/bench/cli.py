@@ -251,6 +251,13 @@ def plot(results, sizes, op, n, path):
     fig.savefig(path, dpi=110)
 
 
+def cma_text(info: dict) -> str:
+    """", cross-memory reads from 4 MiB" when some of tfcs's all-reduces read the peers' private arrays."""
+    if not info.get("cma_allreduces"):
+        return ""
+    return f", cross-memory reads from {human(info['cross_memory_bytes'])}"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="tfcs-bench", description=__doc__.split("\n")[0])
     p.add_argument("-np", type=int, default=2)
@@ -315,7 +322,8 @@ def main(argv=None):
     info = raw.get('tfcs', {}).get('info', {})
     print(f"\n{args.op}, {args.np} ranks, float32, backend {args.backend}, transport "
           f"{info.get('transport', '?')}, all-reduce {info.get('allreduce', '?')}, "
-          f"{'shared' if info.get('buffers') == 'shared' else 'private'} buffers, calls "
+          f"{'shared' if info.get('buffers') == 'shared' else 'private'} buffers"
+          f"{cma_text(info)}, calls "
           f"{f'{args.gap_ms:g} ms apart (ranks busy in between)' if args.gap_ms else 'back to back'}"
           f"{f', the peers in the same processes, {args.rounds} rounds in turn' if args.interleave else ''}\n")
     print(table(results, sizes, args.op, args.np))

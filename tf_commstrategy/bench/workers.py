@@ -136,7 +136,10 @@ class TfcsSession(Session):
                 "allreduce": stats.get("allreduce", "nccl"),
                 # "shared": all-reduces above DIRECT_ABOVE_BYTES read the peers' shared arrays
                 "buffers": "shared" if stats.get("direct_allreduces") else "private",
-                "direct_allreduces": stats.get("direct_allreduces", 0)}
+                "direct_allreduces": stats.get("direct_allreduces", 0),
+                # all-reduces of at least cross_memory_bytes read the peers' private arrays (process_vm_readv)
+                "cross_memory_bytes": stats.get("cross_memory_bytes", 0),
+                "cma_allreduces": stats.get("cma_allreduces", 0)}
         self.tfcs.shutdown()
         return info
 

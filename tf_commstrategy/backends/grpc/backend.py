@@ -17,7 +17,8 @@ from ...core.reduce_ops import ReduceOp, finish_mean, needs_wide_accumulator
 from ...core.spans import Spans
 from ...rendezvous.cluster_env import join_host_port
 from ...errors import CollectiveAbortedError, CollectiveError, PeerLostError, TfcsError, UnsupportedOperationError
-from . import links, liveness, setup_report, shm_fusion, shm_memory, shm_shared, socket_transport, transport, wire
+from . import (links, liveness, setup_report, shm_cma, shm_fusion, shm_memory, shm_shared, socket_transport, transport,
+               wire)
 from .ring_link import SINGLE, CollectiveLink
 
 log = logging.getLogger("tf_commstrategy")
@@ -70,6 +71,7 @@ class GrpcRingBackend(Backend):
         self._direct_tried = False
         self._shared = shm_shared.SharedArrays(self.rank, self.size)
         self._all_shm = False  # every link of the job planned over shared memory (one host's memory)
+        self._cma_bytes = 0  # all-reduces from this size read the peers' private arrays (0: never)
         self.hierarchical = False
         self._watchdog: Optional[liveness.Watchdog] = None
         self._probes = {}
@@ -140,6 +142,7 @@ class GrpcRingBackend(Backend):
                 else:
                     log.info("tf_commstrategy: all-reduce through shared buffers (%d ranks on one host, %d MiB "
                              "each)", self.size, self._fusion.capacity >> 20)
+            self._setup_cma(g, spin)
         # Hierarchy (several hosts, several ranks on some): all-reduce within each host, then among one
         # leader per host, then broadcast within the host, as NCCL and MPI do.
         hosts = {}
@@ -161,6 +164,27 @@ class GrpcRingBackend(Backend):
         problems[:0] = [("shared-memory links", why) for why in distinct.values()]
         setup_report.publish(g.store, self.rank, self.size, g.rendezvous_timeout,
                              setup_report.my_facts(rings, problems, fusion_state), len(hosts))
+
+    def _setup_cma(self, g, spin: float) -> None:
+        """Every rank on one host: can every rank read every peer's memory (``shm_cma.probe``)? Then large
+        all-reduces of private arrays read the peers' arrays where they are, coordinated through the
+        fusion buffers' flags (or flag buffers of their own when those are off). A collective step."""
+        self._cma_bytes, why = shm_cma.probe(g.store, "cma", self.rank, self.size, [x.pid for x in g.workers],
+                                             config.shm_cma_bytes_from_env(), g.rendezvous_timeout)
+        if self._cma_bytes and self._direct is None:  # every rank alike
+            self._direct_tried = True
+            self._direct, why = shm_fusion.FusionBuffers.create(
+                g.store, self.rank, self.size, [x.pid for x in g.workers], self.describe, DIRECT_FLAGS_BYTES,
+                g.rendezvous_timeout, spin, prefix="shmdirect")
+            if self._direct is None:
+                self._cma_bytes, why = 0, why or "a peer could not create its flag buffer"
+        if self.rank == 0:
+            if self._cma_bytes:
+                log.info("tf_commstrategy: all-reduces of at least %d KiB read the peers' arrays by cross-memory "
+                         "attach (process_vm_readv)", self._cma_bytes >> 10)
+            else:
+                log.info("tf_commstrategy: no cross-memory reads (%s); large all-reduces of private arrays take "
+                         "the %s", why, "shared buffers" if self.size >= 3 and self._fusion is not None else "ring")
 
     def serves_transport(self, name: str) -> bool:
         """Whether a call that asks for transport ``name`` runs on the links this job set up: "auto",
@@ -388,11 +412,13 @@ class GrpcRingBackend(Backend):
         ce = self._chunk_elems(flat.dtype, op)
 
         def body(link):
-            if (link is not None and self._shared.active and self._direct is not None
-                    and flat.nbytes > DIRECT_ABOVE_BYTES):  # job-wide facts: every rank takes the handshake
+            # job-wide facts (every rank takes the handshake or none): shared arrays, or cross-memory reads
+            cma = 0 < self._cma_bytes <= flat.nbytes and not needs_wide_accumulator(flat.dtype, op)
+            if (link is not None and self._direct is not None and flat.nbytes > DIRECT_ABOVE_BYTES
+                    and (self._shared.active or cma)):
                 found = self._shared.find(flat) if src is None else None
                 if self._direct.direct(flat, found, op, link.seq, sig, link.deadline, abort=link.abort_now,
-                                       on_timeout=link.timeout_error):
+                                       on_timeout=link.timeout_error, src=src, cma=cma):
                     return flat
             if link is not None and self._fusion_takes(flat.nbytes):
                 self._fusion.allreduce([flat if src is None else src], [flat], op, link.seq, sig, link.deadline,
@@ -605,7 +631,9 @@ class GrpcRingBackend(Backend):
             path = "hierarchical" if self.hierarchical else "ring"
         return {"seq": self._seq, "pending_messages": self.mailbox.pending(), "busy_s": self._busy_s,
                 "transport": self.transport, "allreduce": path, "shared_arrays": self._shared.active,
-                "direct_allreduces": self._direct.direct_calls if self._direct is not None else 0}
+                "direct_allreduces": self._direct.direct_calls if self._direct is not None else 0,
+                "cross_memory_bytes": self._cma_bytes,
+                "cma_allreduces": self._direct.cma_calls if self._direct is not None else 0}
 
     def quiesce(self) -> None:
         """Stop watching the peers (shutdown has begun: peers going away is expected now)."""

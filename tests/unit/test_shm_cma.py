@@ -1,0 +1,112 @@
+"""Cross-memory attach (shm_cma): the process_vm_readv wrapper and the setup probe, in one process.
+
+The probe's two "ranks" run in two threads of this process (a process may read itself), talking
+through a blocking in-memory store as they would through the coordinator."""
+
+import errno
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from tf_commstrategy.backends.grpc import shm_cma
+from tf_commstrategy.errors import RendezvousError
+
+
+def _readable_here():
+    try:
+        shm_cma.read_array(os.getpid(), np.ones(1).ctypes.data, np.empty(1))
+    except OSError as e:
+        return str(e)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_readable_here() is not None, reason=f"process_vm_readv refused: {_readable_here()}")
+
+
+def test_read_copies_another_address_range_byte_for_byte_across_calls_of_any_size():
+    src = np.random.default_rng(0).integers(0, 255, (3 << 20) + 17, dtype=np.uint8)  # not a page multiple
+    dst = np.zeros_like(src)
+    shm_cma.read_array(os.getpid(), src.ctypes.data, dst)
+    assert dst.tobytes() == src.tobytes()
+    part = np.zeros(1000, np.float64)
+    f = np.arange(5000, dtype=np.float64)
+    shm_cma.read_array(os.getpid(), f.ctypes.data + 123 * 8, part)
+    np.testing.assert_array_equal(part, f[123:1123])
+    shm_cma.read_array(os.getpid(), f.ctypes.data, np.empty(0))  # nothing to read: no call, no error
+
+
+def test_read_of_an_unmapped_range_or_a_missing_process_raises_the_kernels_errno():
+    with pytest.raises(OSError) as e:
+        shm_cma.read(os.getpid(), np.empty(16, np.uint8).ctypes.data, 8, 16)  # address 8: never mapped
+    assert e.value.errno == errno.EFAULT and "process_vm_readv" in str(e.value)
+    with pytest.raises(OSError) as e:
+        shm_cma.read(2 ** 22 + 12345, np.empty(16, np.uint8).ctypes.data, np.empty(16).ctypes.data, 16)
+    assert e.value.errno == errno.ESRCH
+
+
+class _BlockingStore:
+    def __init__(self):
+        self.kv, self.cv = {}, threading.Condition()
+
+    def set(self, key, value):
+        with self.cv:
+            self.kv[key] = value
+            self.cv.notify_all()
+
+    def get(self, key, timeout):
+        with self.cv:
+            if not self.cv.wait_for(lambda: key in self.kv, timeout):
+                raise RendezvousError(f"no {key} within {timeout} s")
+            return self.kv[key]
+
+
+def _probe_pair(min_bytes, pids=None, store=None):
+    store = store or _BlockingStore()
+    pids = pids or [os.getpid(), os.getpid()]
+    out = {}
+
+    def rank(r):
+        out[r] = shm_cma.probe(store, "cma", r, 2, pids, min_bytes[r], 10)
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    return out, store
+
+
+def test_probe_agrees_on_the_largest_threshold_when_every_rank_reads_every_token():
+    out, store = _probe_pair([1 << 20, 4 << 20])
+    assert out == {0: (4 << 20, None), 1: (4 << 20, None)}
+    # what travelled over the store: an address and a random token, never the same twice
+    t0, t1 = (json.loads(store.kv[f"cma/token/{r}"]) for r in range(2))
+    assert t0["token"] != t1["token"] and len(bytes.fromhex(t0["token"])) == shm_cma.TOKEN_BYTES
+
+
+def test_probe_turns_the_path_off_for_every_rank_when_one_rank_turns_it_off():
+    out, _ = _probe_pair([1 << 20, 0])
+    assert out[0] == (0, "rank 1: turned off (TFCS_SHM_CMA=0)")
+    assert out[1] == (0, "turned off (TFCS_SHM_CMA=0)")
+
+
+def test_probe_turns_the_path_off_for_every_rank_when_a_read_fails_or_reads_another_value():
+    # rank 1's "pid" is a process that does not exist: rank 0 cannot read it
+    out, _ = _probe_pair([1 << 20, 1 << 20], pids=[os.getpid(), 2 ** 22 + 12345])
+    assert out[0][0] == 0 and out[0][1].startswith(f"cannot read rank 1's memory (pid {2 ** 22 + 12345})")
+    assert out[1] == (0, out[0][1].replace("cannot read", "rank 0: cannot read", 1))
+    # a published address whose bytes are not the token (another process under that pid, or a lie)
+    store = _BlockingStore()
+    decoy = np.zeros(shm_cma.TOKEN_BYTES, np.uint8)
+    real_set = store.set
+
+    def forging_set(key, value):
+        if key == "cma/token/1":
+            value = json.dumps(dict(json.loads(value), addr=int(decoy.ctypes.data)))
+        real_set(key, value)
+    store.set = forging_set
+    out, _ = _probe_pair([1 << 20, 1 << 20], store=store)
+    assert out[0] == (0, f"read another value than rank 1 published (pid {os.getpid()} is not that rank here)")
+    assert out[1][0] == 0 and out[1][1].startswith("rank 0: read another value")

@@ -1,0 +1,145 @@
+"""Cross-memory attach: a rank reads a peer's private array straight out of the peer's address space.
+
+Linux's ``process_vm_readv`` copies bytes from another process of the same user into ours in one
+kernel copy, with no shared segment in between. With every rank on one host it lets an all-reduce of
+ordinary (private) numpy arrays skip the ring's staging copies: rank r reads the peers' r-th segment
+into a small buffer of its own, reduces it into its own array, and then reads every other reduced
+segment straight from its owner's array (``FusionBuffers.direct``). With 2 ranks that is 3.5 bytes of
+memory traffic per byte of the array instead of the staged ring's 4.5 (measured 2 ranks, 256 MiB:
+58 ms instead of 91 ms).
+
+The kernel allows it only where the reader may ptrace the target (same user, and the Yama LSM's
+``ptrace_scope`` at 0 or the target naming the reader; no seccomp filter refusing the call, as some
+container runtimes install). Whether it works is therefore *measured*, not assumed: at setup every
+rank publishes a random token's address over the authenticated store, every rank reads every peer's
+token, and the path is used only if every rank read every token (``probe``). ``TFCS_SHM_CMA=0`` turns
+it off; any other size is the smallest all-reduce that takes it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import os
+import secrets
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+log = logging.getLogger("tf_commstrategy")
+
+#: Yama's "a named process may ptrace me": lets the peers read this rank where ptrace_scope is 1
+PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER_ANY = -1
+TOKEN_BYTES = 16
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = None
+
+
+def _syscalls():
+    """libc's ``process_vm_readv`` and ``prctl`` (bound on first use, never at import)."""
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.process_vm_readv.restype = ctypes.c_ssize_t
+        libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                          ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+        libc.prctl.restype = ctypes.c_int
+        libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        _libc = libc
+    return _libc
+
+
+def read(pid: int, local_addr: int, remote_addr: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``remote_addr`` in process ``pid`` to ``local_addr`` in this one.
+
+    Raises:
+      OSError: with the kernel's errno (ESRCH: the process is gone; EPERM: not allowed to read it;
+        EFAULT: the range is not mapped there or here), or EIO when the kernel copied only part of it
+        (the remote range ends early).
+    """
+    libc = _syscalls()
+    done = 0
+    while done < nbytes:
+        local = _IoVec(local_addr + done, nbytes - done)
+        remote = _IoVec(remote_addr + done, nbytes - done)
+        got = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"process_vm_readv from pid {pid}: {os.strerror(e)}")
+        if got == 0:
+            raise OSError(errno.EIO, f"process_vm_readv from pid {pid}: read {done} of {nbytes} bytes")
+        done += got
+
+
+def read_array(pid: int, remote_addr: int, into: np.ndarray) -> None:
+    """``into`` (C-contiguous) filled from ``into.nbytes`` bytes at ``remote_addr`` in process ``pid``."""
+    if into.nbytes:
+        read(pid, into.ctypes.data, remote_addr, into.nbytes)
+
+
+def allow_peers_to_read() -> None:
+    """Where Yama's ptrace_scope is 1, only a process's ancestors may read it; the workers are siblings,
+    so each declares any process of its user a permitted reader (the same user can already read its
+    memory through /proc where ptrace_scope is 0). Harmless elsewhere (EINVAL without Yama)."""
+    try:
+        _syscalls().prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY).value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def probe(store, prefix: str, rank: int, size: int, pids: Sequence[int], min_bytes: int, timeout: float
+          ) -> Tuple[int, Optional[str]]:
+    """One collective setup step: whether every rank of the job can read every peer's memory.
+
+    Every rank calls it at the same point. Each publishes its threshold ``min_bytes`` (0: off) and the
+    address of a random token, reads every peer's token with ``process_vm_readv`` and compares it with
+    the value published, then publishes whether all reads matched. The token stays alive until every
+    rank has answered.
+
+    Returns:
+      ``(min_bytes, why)``, the same on every rank: the largest threshold any rank asked for, or 0 when
+      any rank turned the path off or could not read a peer (``why`` then says which and why).
+
+    Raises:
+      whatever the store raises (RendezvousError at its deadline).
+    """
+    token = np.frombuffer(bytearray(secrets.token_bytes(TOKEN_BYTES)), dtype=np.uint8)
+    why = None if min_bytes > 0 else "turned off (TFCS_SHM_CMA=0)"
+    if why is None:
+        allow_peers_to_read()
+    store.set(f"{prefix}/token/{rank}", json.dumps({"addr": int(token.ctypes.data), "token": token.tobytes().hex(),
+                                                    "bytes": int(min_bytes), "why": why}))
+    theirs = {q: json.loads(store.get(f"{prefix}/token/{q}", timeout)) for q in range(size) if q != rank}
+    if why is None:
+        got = np.empty(TOKEN_BYTES, np.uint8)
+        for q, t in sorted(theirs.items()):
+            if t["why"]:
+                why = f"rank {q}: {t['why']}"
+                break
+            try:
+                read_array(pids[q], t["addr"], got)
+            except (OSError, AttributeError) as e:  # AttributeError: a libc without process_vm_readv
+                why = f"cannot read rank {q}'s memory (pid {pids[q]}): {e}"
+                break
+            if got.tobytes().hex() != t["token"]:
+                why = f"read another value than rank {q} published (pid {pids[q]} is not that rank here)"
+                break
+    store.set(f"{prefix}/ok/{rank}", "1" if why is None else "0:" + why)
+    answers = {q: store.get(f"{prefix}/ok/{q}", timeout) for q in range(size) if q != rank}
+    del token  # every rank has read it (or given up)
+    if why is None:
+        for q, a in sorted(answers.items()):
+            if a != "1":
+                why = f"rank {q}: {a[2:]}"
+                break
+    if why is not None:
+        return 0, why
+    return max([int(min_bytes)] + [int(t["bytes"]) for t in theirs.values()]), None
