@@ -9,8 +9,8 @@ memory traffic per byte of the array instead of the staged ring's 4.5 (measured 
 58 ms instead of 91 ms).
 
 The kernel allows it only where the reader may ptrace the target (same user, and the Yama LSM's
-``ptrace_scope`` at 0 or the target naming the reader; no seccomp filter refusing the call, as some
-container runtimes install). Whether it works is therefore *measured*, not assumed: at setup every
+``ptrace_scope`` at 0, or at 1 with the target naming the reader: done for the one peer of a 2-rank
+job; no seccomp filter refusing the call, as some container runtimes install). Whether it works is therefore *measured*, not assumed: at setup every
 rank publishes a random token's address over the authenticated store, every rank reads every peer's
 token, and the path is used only if every rank read every token (``probe``). ``TFCS_SHM_CMA=0`` turns
 it off; any other size is the smallest all-reduce that takes it.
@@ -30,9 +30,8 @@ import numpy as np
 
 log = logging.getLogger("tf_commstrategy")
 
-#: Yama's "a named process may ptrace me": lets the peers read this rank where ptrace_scope is 1
+#: Yama's "this process may ptrace me": lets the one peer of a 2-rank job read this rank (ptrace_scope 1)
 PR_SET_PTRACER = 0x59616D61
-PR_SET_PTRACER_ANY = -1
 TOKEN_BYTES = 16
 
 
@@ -85,12 +84,17 @@ def read_array(pid: int, remote_addr: int, into: np.ndarray) -> None:
         read(pid, into.ctypes.data, remote_addr, into.nbytes)
 
 
-def allow_peers_to_read() -> None:
-    """Where Yama's ptrace_scope is 1, only a process's ancestors may read it; the workers are siblings,
-    so each declares any process of its user a permitted reader (the same user can already read its
-    memory through /proc where ptrace_scope is 0). Harmless elsewhere (EINVAL without Yama)."""
+def allow_peer_to_read(peer_pids: Sequence[int]) -> None:
+    """Where the Yama LSM's ptrace_scope is 1 only a process's ancestors may read it, and the workers are
+    siblings. With one peer this rank names it as its one permitted reader (``PR_SET_PTRACER``; Yama
+    drops the exception when that process exits). With more peers it changes nothing: Yama has no
+    list of readers, and allowing any process of the user (as some MPI libraries do) would undo what
+    ptrace_scope 1 protects against, so the probe fails and the job keeps its other paths. Harmless
+    without Yama (EINVAL)."""
+    if len(peer_pids) != 1:
+        return
     try:
-        _syscalls().prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY).value, 0, 0, 0)
+        _syscalls().prctl(PR_SET_PTRACER, int(peer_pids[0]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -114,7 +118,7 @@ def probe(store, prefix: str, rank: int, size: int, pids: Sequence[int], min_byt
     token = np.frombuffer(bytearray(secrets.token_bytes(TOKEN_BYTES)), dtype=np.uint8)
     why = None if min_bytes > 0 else "turned off (TFCS_SHM_CMA=0)"
     if why is None:
-        allow_peers_to_read()
+        allow_peer_to_read([p for q, p in enumerate(pids) if q != rank])
     store.set(f"{prefix}/token/{rank}", json.dumps({"addr": int(token.ctypes.data), "token": token.tobytes().hex(),
                                                     "bytes": int(min_bytes), "why": why}))
     theirs = {q: json.loads(store.get(f"{prefix}/token/{q}", timeout)) for q in range(size) if q != rank}
