@@ -70,6 +70,31 @@ def kept_log_messages(level=None) -> list:
     return messages
 
 
+def cross_memory_max_ranks() -> int:
+    """How many sibling worker processes here may all read each other with process_vm_readv (the
+    all-reduce's cross-memory reads): 0 when the call is refused outright (a seccomp filter, no such
+    syscall) or by Yama's ptrace_scope 3 (or 2 without CAP_SYS_PTRACE); 2 under ptrace_scope 1 (the
+    ranks of a 2-rank job name each other; bigger jobs fall back by design); else any number."""
+    import numpy as np
+    from tf_commstrategy.backends.grpc import shm_cma
+    try:
+        shm_cma.read_array(os.getpid(), np.ones(1).ctypes.data, np.empty(1))
+    except (OSError, AttributeError):
+        return 0
+    scope = shm_cma.yama_scope()
+    try:
+        with open("/proc/self/status") as f:
+            cap_eff = int(next(line.split()[1] for line in f if line.startswith("CapEff:")), 16)
+    except (OSError, StopIteration, ValueError):
+        cap_eff = 0
+    may_ptrace_anyone = bool(cap_eff & (1 << 19))  # CAP_SYS_PTRACE
+    if scope >= 3:
+        return 0
+    if scope == 0 or may_ptrace_anyone:
+        return 1 << 30
+    return 2 if scope == 1 else 0
+
+
 def leaked_shm_segments(before) -> list:
     """tf_commstrategy segments in /dev/shm that are not in ``before`` and whose creating process is
     gone: a leak. Segments of live processes (another test's, under ``pytest -n 2``) do not count."""

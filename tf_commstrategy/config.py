@@ -205,7 +205,8 @@ def hierarchical_from_env(environ=None) -> bool:
 def shm_cma_bytes_from_env(environ=None) -> int:
     """``TFCS_SHM_CMA``: with every rank on one host, the smallest all-reduce (bytes) of private arrays that
     reads the peers' arrays by cross-memory attach (``process_vm_readv``) instead of taking the ring
-    (default 4 MiB; 0 turns it off). Used only where every rank could read every peer at setup.
+    (default 4 MiB; 0 turns it off; values under 64 KiB count as 64 KiB, where the handshake of the
+    direct all-reduce starts). Used only where every rank could read every peer at setup.
 
     Args:
       environ: the variables to read (default: ``os.environ``).

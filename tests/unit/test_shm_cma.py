@@ -69,7 +69,7 @@ def _probe_pair(min_bytes, pids=None, store=None):
     out = {}
 
     def rank(r):
-        out[r] = shm_cma.probe(store, "cma", r, 2, pids, min_bytes[r], 10)
+        out[r] = shm_cma.probe(store, "cma", r, 2, pids, min_bytes[r], 10)[:2]
     ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in ts:
         t.start()
@@ -110,3 +110,57 @@ def test_probe_turns_the_path_off_for_every_rank_when_a_read_fails_or_reads_anot
     out, _ = _probe_pair([1 << 20, 1 << 20], store=store)
     assert out[0] == (0, f"read another value than rank 1 published (pid {os.getpid()} is not that rank here)")
     assert out[1][0] == 0 and out[1][1].startswith("rank 0: read another value")
+
+
+class _Prctl:
+    """Stands in for libc's prctl: records the PR_SET_PTRACER calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def prctl(self, option, arg, *_):
+        self.calls.append((option, arg))
+        return 0
+
+
+def test_yama_scope_reads_the_sysctl_and_is_0_without_yama(tmp_path, monkeypatch):
+    f = tmp_path / "ptrace_scope"
+    f.write_text("1\n")
+    monkeypatch.setattr(shm_cma, "YAMA_SCOPE", str(f))
+    assert shm_cma.yama_scope() == 1
+    monkeypatch.setattr(shm_cma, "YAMA_SCOPE", str(tmp_path / "absent"))
+    assert shm_cma.yama_scope() == 0
+
+
+def test_only_the_one_peer_of_a_pair_is_named_under_yama_scope_1_and_withdrawn_with_the_last_group(monkeypatch):
+    fake = _Prctl()
+    monkeypatch.setattr(shm_cma, "_syscalls", lambda: fake)
+    monkeypatch.setattr(shm_cma, "_named", {"pid": 0, "uses": 0})
+    monkeypatch.setattr(shm_cma, "yama_scope", lambda: 0)
+    assert shm_cma.allow_peer_to_read([4242]) is None and fake.calls == []  # nothing to loosen
+    monkeypatch.setattr(shm_cma, "yama_scope", lambda: 1)
+    assert shm_cma.allow_peer_to_read([4242, 4343]) is None and fake.calls == []  # never "anyone"
+    assert shm_cma.allow_peer_to_read([4242]) == 4242
+    assert shm_cma.allow_peer_to_read([4242]) == 4242  # a second group with the same peer
+    assert shm_cma.allow_peer_to_read([4343]) is None  # Yama keeps one reader: not replaced
+    assert fake.calls == [(shm_cma.PR_SET_PTRACER, 4242)]
+    shm_cma.forget_reader(4343)
+    shm_cma.forget_reader(None)
+    shm_cma.forget_reader(4242)
+    assert fake.calls == [(shm_cma.PR_SET_PTRACER, 4242)]  # one group still reads
+    shm_cma.forget_reader(4242)
+    assert fake.calls == [(shm_cma.PR_SET_PTRACER, 4242), (shm_cma.PR_SET_PTRACER, 0)]
+
+
+def test_a_failed_probe_withdraws_the_reader_it_named(monkeypatch):
+    fake = _Prctl()
+    monkeypatch.setattr(shm_cma, "_syscalls", lambda: fake)
+    monkeypatch.setattr(shm_cma, "_named", {"pid": 0, "uses": 0})
+    monkeypatch.setattr(shm_cma, "yama_scope", lambda: 1)
+    # rank 0 takes part (names pid 999999: its one peer), rank 1 turned the reads off
+    store = _BlockingStore()
+    store.set("cma/token/1", json.dumps({"addr": 0, "token": "", "bytes": 0, "why": "turned off (TFCS_SHM_CMA=0)"}))
+    store.set("cma/ok/1", "0:turned off (TFCS_SHM_CMA=0)")
+    assert shm_cma.probe(store, "cma", 0, 2, [os.getpid(), 999999], 1 << 20, 5) == (
+        0, "rank 1: turned off (TFCS_SHM_CMA=0)", None)
+    assert fake.calls == [(shm_cma.PR_SET_PTRACER, 999999), (shm_cma.PR_SET_PTRACER, 0)]

@@ -72,6 +72,7 @@ class GrpcRingBackend(Backend):
         self._shared = shm_shared.SharedArrays(self.rank, self.size)
         self._all_shm = False  # every link of the job planned over shared memory (one host's memory)
         self._cma_bytes = 0  # all-reduces from this size read the peers' private arrays (0: never)
+        self._cma_reader: Optional[int] = None  # the peer allowed to read this process (Yama), until close
         self.hierarchical = False
         self._watchdog: Optional[liveness.Watchdog] = None
         self._probes = {}
@@ -120,7 +121,8 @@ class GrpcRingBackend(Backend):
             # 2 ranks only the small ones (their one-round path; measured 8 B: 29 us instead of the ring's
             # 44): above that the ring moves less (it copies 1.5x the buffer, the shared buffers 2x;
             # measured 4 MiB: 0.48-0.64 ms ring, 0.69-0.81 ms buffers); with 4 ranks the buffers win at
-            # every size (2.31 vs 2.68 ms at 4 MiB)
+            # every size (2.31 vs 2.68 ms at 4 MiB). From 4 MiB, at any world size, cross-memory reads of
+            # the peers' arrays beat both where the kernel allows them (_setup_cma)
             spin = shm_memory.spin_seconds(self.size)
             links_problem = self._ring.shm_problem()
             fusion_bytes = config.shm_fusion_bytes_from_env()
@@ -169,8 +171,11 @@ class GrpcRingBackend(Backend):
         """Every rank on one host: can every rank read every peer's memory (``shm_cma.probe``)? Then large
         all-reduces of private arrays read the peers' arrays where they are, coordinated through the
         fusion buffers' flags (or flag buffers of their own when those are off). A collective step."""
-        self._cma_bytes, why = shm_cma.probe(g.store, "cma", self.rank, self.size, [x.pid for x in g.workers],
-                                             config.shm_cma_bytes_from_env(), g.rendezvous_timeout)
+        agreed, why, self._cma_reader = shm_cma.probe(g.store, "cma", self.rank, self.size,
+                                                      [x.pid for x in g.workers], config.shm_cma_bytes_from_env(),
+                                                      g.rendezvous_timeout)
+        # they start after the handshake's own floor (smaller thresholds would be reported, not used)
+        self._cma_bytes = max(agreed, DIRECT_ABOVE_BYTES + 1) if agreed else 0
         if self._cma_bytes and self._direct is None:  # every rank alike
             self._direct_tried = True
             self._direct, why = shm_fusion.FusionBuffers.create(
@@ -178,6 +183,8 @@ class GrpcRingBackend(Backend):
                 g.rendezvous_timeout, spin, prefix="shmdirect")
             if self._direct is None:
                 self._cma_bytes, why = 0, why or "a peer could not create its flag buffer"
+                shm_cma.forget_reader(self._cma_reader)
+                self._cma_reader = None
         if self.rank == 0:
             if self._cma_bytes:
                 log.info("tf_commstrategy: all-reduces of at least %d KiB read the peers' arrays by cross-memory "
@@ -651,6 +658,8 @@ class GrpcRingBackend(Backend):
                 r.close()
         self._ring = self._host_ring = self._leader_ring = None
         self._shared.close()
+        shm_cma.forget_reader(self._cma_reader)
+        self._cma_reader = None
         if self._direct is not None and self._direct is not self._fusion:
             self._direct.close()
         self._direct = None

@@ -32,6 +32,7 @@ log = logging.getLogger("tf_commstrategy")
 
 #: Yama's "this process may ptrace me": lets the one peer of a 2-rank job read this rank (ptrace_scope 1)
 PR_SET_PTRACER = 0x59616D61
+YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 TOKEN_BYTES = 16
 
 
@@ -84,23 +85,62 @@ def read_array(pid: int, remote_addr: int, into: np.ndarray) -> None:
         read(pid, into.ctypes.data, remote_addr, into.nbytes)
 
 
-def allow_peer_to_read(peer_pids: Sequence[int]) -> None:
-    """Where the Yama LSM's ptrace_scope is 1 only a process's ancestors may read it, and the workers are
-    siblings. With one peer this rank names it as its one permitted reader (``PR_SET_PTRACER``; Yama
-    drops the exception when that process exits). With more peers it changes nothing: Yama has no
-    list of readers, and allowing any process of the user (as some MPI libraries do) would undo what
-    ptrace_scope 1 protects against, so the probe fails and the job keeps its other paths. Harmless
-    without Yama (EINVAL)."""
-    if len(peer_pids) != 1:
-        return
+def yama_scope() -> int:
+    """The Yama LSM's ``kernel.yama.ptrace_scope`` (0 where Yama is absent): 0 any process of the user
+    may read another, 1 only ancestors or a process the target names, 2 only with CAP_SYS_PTRACE,
+    3 none."""
     try:
-        _syscalls().prctl(PR_SET_PTRACER, int(peer_pids[0]), 0, 0, 0)
+        with open(YAMA_SCOPE) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+_named = {"pid": 0, "uses": 0}  # the peer this process named with PR_SET_PTRACER, and for how many groups
+
+
+def allow_peer_to_read(peer_pids: Sequence[int]) -> Optional[int]:
+    """Where Yama's ptrace_scope is 1 only a process's ancestors may read it, and the workers are
+    siblings. With one peer this rank names it as its one permitted reader (``PR_SET_PTRACER``; Yama
+    drops the exception when that process exits, and ``forget_reader`` withdraws it when the job does
+    not use the reads or shuts down). With more peers it changes nothing: Yama has no list of readers,
+    and allowing any process of the user (as some MPI libraries do) would undo what ptrace_scope 1
+    protects against, so the probe fails and the job keeps its other paths. Nothing is changed under
+    any other scope, nor when another group of this process has named another peer (Yama keeps one).
+
+    Returns:
+      the pid named (pass it to ``forget_reader``), or None.
+    """
+    if len(peer_pids) != 1 or yama_scope() != 1:
+        return None
+    pid = int(peer_pids[0])
+    if _named["uses"] and _named["pid"] != pid:
+        return None
+    try:
+        if _named["uses"] == 0 and _syscalls().prctl(PR_SET_PTRACER, pid, 0, 0, 0) != 0:
+            return None
     except (OSError, AttributeError):
-        pass
+        return None
+    _named["pid"] = pid
+    _named["uses"] += 1
+    return pid
+
+
+def forget_reader(pid: Optional[int]) -> None:
+    """Withdraw ``pid`` as this process's permitted reader once no group needs it (no-op for None)."""
+    if pid is None or _named["pid"] != pid or _named["uses"] == 0:
+        return
+    _named["uses"] -= 1
+    if _named["uses"] == 0:
+        try:
+            _syscalls().prctl(PR_SET_PTRACER, 0, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        _named["pid"] = 0
 
 
 def probe(store, prefix: str, rank: int, size: int, pids: Sequence[int], min_bytes: int, timeout: float
-          ) -> Tuple[int, Optional[str]]:
+          ) -> Tuple[int, Optional[str], Optional[int]]:
     """One collective setup step: whether every rank of the job can read every peer's memory.
 
     Every rank calls it at the same point. Each publishes its threshold ``min_bytes`` (0: off) and the
@@ -109,16 +149,17 @@ def probe(store, prefix: str, rank: int, size: int, pids: Sequence[int], min_byt
     rank has answered.
 
     Returns:
-      ``(min_bytes, why)``, the same on every rank: the largest threshold any rank asked for, or 0 when
-      any rank turned the path off or could not read a peer (``why`` then says which and why).
+      ``(min_bytes, why, named)``: ``min_bytes`` and ``why`` the same on every rank: the largest threshold
+      any rank asked for, or 0 when any rank turned the path off or could not read a peer (``why`` then
+      says which and why); ``named`` the peer this rank allowed to read it (Yama), for ``forget_reader``
+      at shutdown, or None.
 
     Raises:
       whatever the store raises (RendezvousError at its deadline).
     """
     token = np.frombuffer(bytearray(secrets.token_bytes(TOKEN_BYTES)), dtype=np.uint8)
     why = None if min_bytes > 0 else "turned off (TFCS_SHM_CMA=0)"
-    if why is None:
-        allow_peer_to_read([p for q, p in enumerate(pids) if q != rank])
+    named = allow_peer_to_read([p for q, p in enumerate(pids) if q != rank]) if why is None else None
     store.set(f"{prefix}/token/{rank}", json.dumps({"addr": int(token.ctypes.data), "token": token.tobytes().hex(),
                                                     "bytes": int(min_bytes), "why": why}))
     theirs = {q: json.loads(store.get(f"{prefix}/token/{q}", timeout)) for q in range(size) if q != rank}
@@ -145,5 +186,6 @@ def probe(store, prefix: str, rank: int, size: int, pids: Sequence[int], min_byt
                 why = f"rank {q}: {a[2:]}"
                 break
     if why is not None:
-        return 0, why
-    return max([int(min_bytes)] + [int(t["bytes"]) for t in theirs.values()]), None
+        forget_reader(named)
+        return 0, why, None
+    return max([int(min_bytes)] + [int(t["bytes"]) for t in theirs.values()]), None, named

@@ -53,6 +53,7 @@ rank has mapped it, stale ones of killed jobs removed at the next start.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -78,8 +79,9 @@ DIRECT = 36                           # uint64 index (byte offset 288): a direct
                                       # allocation + 1 (0: none), byte offset, collective seq + 1
 DIRECT_PIECE = (1 << 32) - 1          # the piece number in the header of a direct all-reduce's handshake
 SIG_AT, SIG_MAX = 320, 1024           # signature text: byte offset, most bytes kept
-CMA_AT = 168                          # uint64 index (byte offset 1344): a direct all-reduce's private arrays
-                                      # for cross-memory reads: input address, output address, seq + 1
+CMA_AT = 168                          # uint64 index (byte offset 1344): a direct all-reduce's arrays for
+                                      # cross-memory reads: input address, output address
+LOST_GRACE_S = 1.0                    # a failed cross-memory read: how long the peer may take to disappear
 CMA_CHUNK_BYTES = 256 << 10           # a peer's segment is read into a buffer of this size and reduced from
                                       # there (measured 2 ranks, 64 MiB: 256 KiB 14.9 ms, 1 MiB 18.4 ms)
 ENTERED = 192                         # uint64 index (byte offset 1536): the collective this rank is in, + 1
@@ -374,7 +376,7 @@ class FusionBuffers:
         ident = alloc.ident + 1 if alloc is not None else 0
         mine[INFO:INFO + 4] = (seq, DIRECT_PIECE, n, len(sig_b))
         mine[DIRECT:DIRECT + 3] = (ident, off, seq + 1)
-        mine[CMA_AT:CMA_AT + 3] = ((arr if src is None else src).ctypes.data, arr.ctypes.data, seq + 1)
+        mine[CMA_AT:CMA_AT + 2] = ((arr if src is None else src).ctypes.data, arr.ctypes.data)
         self._segs[r].mm[SIG_AT:SIG_AT + len(sig_b)] = sig_b
         fence()
         mine[READY] = g
@@ -424,8 +426,8 @@ class FusionBuffers:
 
     def _reduce_segment_cma(self, arr: np.ndarray, src: Optional[np.ndarray], s0: int, s1: int, addrs: dict,
                             op: ReduceOp, abort) -> None:
-        """``arr[s0:s1]`` = the reduction of every rank's input there (mine: ``src``, or ``arr`` in place),
-        the peers' read out of their address spaces a buffer at a time, in rank order."""
+        """``arr[s0:s1]`` = the reduction of every rank's input there: mine (``src``, or ``arr`` in place)
+        combined with the peers' in rank order, read out of their address spaces a buffer at a time."""
         isz = arr.dtype.itemsize
         if self._cma_tmp is None:
             self._cma_tmp = np.empty(CMA_CHUNK_BYTES, np.uint8)
@@ -447,7 +449,13 @@ class FusionBuffers:
         try:
             shm_cma.read_array(self._pids[q], addr, into)
         except OSError as e:
-            if not pid_alive(self._pids[q]):
+            # A killed process loses its memory before it turns into a zombie: reads fail with ESRCH
+            # while its pid still looks alive, so ESRCH means lost too, and any other failure gets a
+            # moment for the process to disappear before it is blamed on the read
+            end = time.monotonic() + LOST_GRACE_S
+            while e.errno != errno.ESRCH and pid_alive(self._pids[q]) and time.monotonic() < end:
+                time.sleep(0.01)
+            if e.errno == errno.ESRCH or not pid_alive(self._pids[q]):
                 raise reported_cause(self._lost(q), abort) from e
             raise reported_cause(CollectiveError(
                 f"rank {self.rank} could not read rank {q}'s array ({into.nbytes} bytes at {addr:#x} in pid "
