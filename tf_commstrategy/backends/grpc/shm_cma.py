@@ -10,9 +10,10 @@ memory traffic per byte of the array instead of the staged ring's 4.5 (measured 
 
 The kernel allows it only where the reader may ptrace the target (same user, and the Yama LSM's
 ``ptrace_scope`` at 0, or at 1 with the target naming the reader: done for the one peer of a 2-rank
-job; no seccomp filter refusing the call, as some container runtimes install). Whether it works is therefore *measured*, not assumed: at setup every
-rank publishes a random token's address over the authenticated store, every rank reads every peer's
-token, and the path is used only if every rank read every token (``probe``). ``TFCS_SHM_CMA=0`` turns
+job; no seccomp filter refusing the call, as some container runtimes install). Whether it works is
+therefore *measured*, not assumed: at setup every rank publishes a random token's address over the
+authenticated store, every rank reads every peer's token, and the path is used only if every rank
+read every token (``probe``). ``TFCS_SHM_CMA=0`` turns
 it off; any other size is the smallest all-reduce that takes it.
 """
 

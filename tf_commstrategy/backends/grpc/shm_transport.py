@@ -25,8 +25,9 @@ and reading the frame.
 
 Lifecycle and security (the segments, bells and fences are ``shm_memory``'s): segments are created
 by their owner with ``O_EXCL``, mode 0600, under an unguessable name (``tfcs-shm-<pid>-<random>``)
-that travels only over the authenticated control plane (the coordinator). Once both neighbours have mapped them, the owner unlinks them: nothing is left in
-``/dev/shm`` after that, even if the job is killed. A segment left by a job killed during that short
+that travels only over the authenticated control plane (the coordinator). Once both neighbours have
+mapped them, the owner unlinks them: nothing is left in ``/dev/shm`` after that, even if the job is
+killed. A segment left by a job killed during that short
 window is recognised by its dead owner pid and removed at the next start. A ``/dev/shm`` too small
 for the segment (containers default to 64 MiB) is found when the space is reserved
 (``posix_fallocate``), and the link falls back to Unix sockets with one warning.
