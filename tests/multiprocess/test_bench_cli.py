@@ -1,12 +1,13 @@
 """tfcs-bench end to end in a fresh process: table, JSON and bus-bandwidth convention."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, cross_memory_max_ranks
 from tf_commstrategy.bench.cli import bus_factor
 from tf_commstrategy.bench.workers import iterations
 
@@ -18,11 +19,11 @@ def test_bus_bandwidth_factors_follow_nccl_tests():
     assert bus_factor("broadcast", 4) == 1.0
 
 
-def _bench(tmp_path, *extra):
+def _bench(tmp_path, *extra, env=None):
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "-m", "tf_commstrategy.bench.cli", "-np", "2", "--sizes", "8,64K",
                         "--budget", "0.05", "--json", str(out), *extra], cwd=ROOT, capture_output=True,
-                       text=True, timeout=280)
+                       text=True, timeout=280, env=None if env is None else dict(os.environ, **env))
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout, json.loads(out.read_text())
 
@@ -95,6 +96,19 @@ def test_bench_shared_buffers_reduce_through_the_peers_arrays(tmp_path):
     assert "transport shm" in stdout and "shared buffers" in stdout
     stdout, data = _bench(tmp_path, "--transport", "shm", "--sizes", "1M")
     assert data["tfcs_info"]["buffers"] == "private" and "private buffers" in stdout
+
+
+@pytest.mark.skipif(cross_memory_max_ranks() < 2, reason="process_vm_readv between sibling processes refused here")
+def test_bench_private_arrays_of_4_mib_read_the_peers_memory_unless_turned_off(tmp_path):
+    stdout, data = _bench(tmp_path, "--transport", "shm", "--sizes", "8,4M")
+    info = data["tfcs_info"]
+    # the 4 MiB calls (warm-up, check and timed ones) read the peers' arrays; 8 B took the small path
+    assert info["cross_memory_bytes"] == 4 << 20, info
+    assert info["cma_allreduces"] >= data["results"]["tfcs"][str(4 << 20)]["iters"], info
+    assert "private buffers, cross-memory reads from 4 MiB" in stdout
+    stdout, data = _bench(tmp_path, "--transport", "shm", "--sizes", "4M", env={"TFCS_SHM_CMA": "0"})
+    assert data["tfcs_info"]["cma_allreduces"] == 0 and data["tfcs_info"]["cross_memory_bytes"] == 0
+    assert "cross-memory" not in stdout
 
 
 def test_bench_nccl_runs_without_tensorflow_on_the_fake_gpu(tmp_path):
