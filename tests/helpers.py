@@ -70,6 +70,67 @@ def kept_log_messages(level=None) -> list:
     return messages
 
 
+def rank_values(rank: int, dtype, n: int, seed: int):
+    """Rank ``rank``'s all-reduce input of ``n`` elements (the parent computes the expected result from
+    the same numbers): small integers for integer and float16 dtypes (exact sums), else in [-1, 1)
+    (shifted by 1 for float64, so products stay away from 0)."""
+    import numpy as np
+    rng = np.random.default_rng(seed + rank)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(-50, 50, n).astype(dtype)
+    if dtype == "float16":
+        return rng.integers(-8, 8, n).astype(dtype)
+    return (rng.random(n) * 2 - 1 + (1.0 if dtype == "float64" else 0.0)).astype(dtype)
+
+
+def reduced_reference(size: int, op: str, dtype, n: int, seed: int):
+    """numpy's reduction of ``rank_values`` over ``size`` ranks: float16 sums accumulated in float32,
+    integer means floored."""
+    import numpy as np
+    xs = np.stack([rank_values(r, dtype, n, seed) for r in range(size)])
+    if op == "sum":
+        return xs.sum(0, dtype=np.float32 if dtype == "float16" else None).astype(dtype)
+    if op == "mean":
+        return (xs.sum(0) // size if np.dtype(dtype).kind in "iu" else xs.mean(0)).astype(dtype)
+    return {"max": xs.max, "min": xs.min, "prod": xs.prod}[op](0).astype(dtype)
+
+
+def allreduce_until_killed(y, rank: int, counter) -> tuple:
+    """Rank 2 kills itself (SIGKILL) 1.5 s from now; every rank all-reduces ``y`` in place until an
+    error. Returns (error class name, its peer_rank, seconds from the kill to the error, counter())."""
+    import signal
+    import threading
+    import tf_commstrategy as tfcs
+    if rank == 2:
+        threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    t_kill = time.time() + 1.5
+    try:
+        while time.time() < t_kill + 60:
+            tfcs.allreduce(y, op="max", out=y)
+    except tfcs.TfcsError as e:
+        return type(e).__name__, getattr(e, "peer_rank", None), time.time() - t_kill, counter()
+    return "no error", None, 0, counter()
+
+
+def refill_and_allreduce(y, rank: int, size: int, calls: int) -> list:
+    """Back-to-back in-place all-reduces of ``y``, refilled with this call's values before each, the
+    ranks drifting apart now and then: a rank that returned while a peer still read its array would
+    hand that peer the next call's values. Returns the calls whose result was wrong."""
+    import numpy as np
+    import tf_commstrategy as tfcs
+    rng = np.random.default_rng(rank)
+    wrong = []
+    for i in range(calls):
+        if rng.random() < 0.1:
+            time.sleep(rng.random() * 0.002)
+        y[:] = rank * 1000 + i
+        tfcs.allreduce(y, out=y)
+        want = sum(r * 1000 + i for r in range(size))
+        if not (y == want).all():
+            wrong.append((i, float(y.min()), float(y.max()), want))
+    return wrong
+
+
 def cross_memory_max_ranks() -> int:
     """How many sibling worker processes here may all read each other with process_vm_readv (the
     all-reduce's cross-memory reads): 0 when the call is refused outright (a seccomp filter, no such

@@ -4,14 +4,12 @@ peers' arrays out of their address spaces (process_vm_readv). Results against nu
 values, the job-wide agreement (a rank that turns it off or cannot read), and kill -9."""
 
 import os
-import signal
-import threading
-import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import cross_memory_max_ranks, leaked_shm_segments, run_workers
+from tests.helpers import (allreduce_until_killed, cross_memory_max_ranks, leaked_shm_segments, rank_values,
+                           reduced_reference, refill_and_allreduce, run_workers)
 from tf_commstrategy.backends.grpc import shm_cma as M_cma
 from tf_commstrategy.backends.grpc import shm_memory as M
 
@@ -25,6 +23,7 @@ def _needs(size):
         pytest.skip(f"process_vm_readv between {size} sibling processes is not allowed here "
                     f"(Yama ptrace_scope {M_cma.yama_scope()}, or refused)")
 
+
 THRESHOLD = "128K"  # the tests' TFCS_SHM_CMA: small arrays keep the tests fast
 N = (1 << 16) + 1001  # elements: 256 KiB + at 4 bytes (above the threshold), segments of unequal length
 CASES = [("sum", "float32"), ("mean", "float32"), ("max", "float64"), ("min", "int32"), ("prod", "float64"),
@@ -32,21 +31,11 @@ CASES = [("sum", "float32"), ("mean", "float32"), ("max", "float64"), ("min", "i
 
 
 def _values(rank, dtype, n):
-    rng = np.random.default_rng(2000 + rank)
-    if np.dtype(dtype).kind in "iu":
-        return rng.integers(-50, 50, n).astype(dtype)
-    if dtype == "float16":
-        return rng.integers(-8, 8, n).astype(dtype)
-    return (rng.random(n) * 2 - 1 + (1.0 if dtype == "float64" else 0.0)).astype(dtype)
+    return rank_values(rank, dtype, n, 2000)
 
 
 def _reference(size, op, dtype, n):
-    xs = np.stack([_values(r, dtype, n) for r in range(size)])
-    if op == "sum":
-        return xs.sum(0, dtype=np.float32 if dtype == "float16" else None).astype(dtype)
-    if op == "mean":
-        return (xs.sum(0) // size if np.dtype(dtype).kind in "iu" else xs.mean(0)).astype(dtype)
-    return {"max": xs.max, "min": xs.min, "prod": xs.prod}[op](0).astype(dtype)
+    return reduced_reference(size, op, dtype, n, 2000)
 
 
 def _counted(b):
@@ -111,22 +100,11 @@ def test_allreduce_of_private_arrays_reads_the_peers_memory_and_matches_numpy(si
 
 
 def _repeated_with_new_values(rank, size, calls):
-    """Back-to-back all-reduces of one array, refilled before each call: a rank that returned while a
-    peer still read its array would hand that peer the next call's values."""
+    """Back-to-back all-reduces of one private array, refilled before each call."""
     import tf_commstrategy as tfcs
     from tf_commstrategy.process import default_group
     tfcs.init(transport="shm", timeout=60)
-    y = np.empty(1 << 16, np.float64)  # 512 KiB
-    rng = np.random.default_rng(rank)
-    wrong = []
-    for i in range(calls):
-        if rng.random() < 0.1:
-            time.sleep(rng.random() * 0.002)  # ranks drift apart
-        y[:] = rank * 1000 + i
-        tfcs.allreduce(y, out=y)
-        want = sum(r * 1000 + i for r in range(size))
-        if not (y == want).all():
-            wrong.append((i, float(y.min()), float(y.max()), want))
+    wrong = refill_and_allreduce(np.empty(1 << 16, np.float64), rank, size, calls)  # 512 KiB
     return wrong, _counted(default_group().backend("grpc"))
 
 
@@ -180,16 +158,8 @@ def _killed_mid_allreduce(rank, size):
     from tf_commstrategy.process import default_group
     tfcs.init(transport="shm", timeout=60)
     y = np.ones(16 << 20, np.float32)  # 64 MiB: the kill lands inside an all-reduce
-    if rank == 2:
-        threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    t_kill = time.time() + 1.5
     b = default_group().backend("grpc")
-    try:
-        while time.time() < t_kill + 60:
-            tfcs.allreduce(y, op="max", out=y)
-    except tfcs.TfcsError as e:
-        return type(e).__name__, getattr(e, "peer_rank", None), time.time() - t_kill, _counted(b)[0]
-    return "no error", None, 0, _counted(b)[0]
+    return allreduce_until_killed(y, rank, lambda: _counted(b)[0])
 
 
 @pytest.mark.timeout(200)

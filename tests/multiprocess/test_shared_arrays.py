@@ -3,14 +3,12 @@ they are. Results against numpy, the direct path counted (so a test cannot pass 
 alone), the fallbacks (mixed ranks, other offsets, no shared memory), kill -9 and the mappings."""
 
 import os
-import signal
-import threading
-import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import leaked_shm_segments, run_workers
+from tests.helpers import (allreduce_until_killed, leaked_shm_segments, rank_values, reduced_reference,
+                           refill_and_allreduce, run_workers)
 from tf_commstrategy.backends.grpc import shm_memory as M
 from tf_commstrategy.backends.grpc.backend import DIRECT_ABOVE_BYTES
 
@@ -22,22 +20,11 @@ CASES = [("sum", "float32"), ("mean", "float32"), ("max", "float64"), ("min", "i
 
 
 def _values(rank, dtype, n):
-    """Rank ``rank``'s input (the parent computes the expected result from the same numbers)."""
-    rng = np.random.default_rng(1000 + rank)
-    if np.dtype(dtype).kind in "iu":
-        return rng.integers(-50, 50, n).astype(dtype)
-    if dtype == "float16":
-        return rng.integers(-8, 8, n).astype(dtype)  # exact sums: no rounding-order question
-    return (rng.random(n) * 2 - 1 + (1.0 if dtype == "float64" else 0.0)).astype(dtype)
+    return rank_values(rank, dtype, n, 1000)
 
 
 def _reference(size, op, dtype, n):
-    xs = np.stack([_values(r, dtype, n) for r in range(size)])
-    if op == "sum":
-        return xs.sum(0, dtype=np.float32 if dtype == "float16" else None).astype(dtype)
-    if op == "mean":
-        return (xs.sum(0) // size if np.dtype(dtype).kind in "iu" else xs.mean(0)).astype(dtype)
-    return {"max": xs.max, "min": xs.min, "prod": xs.prod}[op](0).astype(dtype)
+    return reduced_reference(size, op, dtype, n, 1000)
 
 
 def _direct(b):
@@ -122,22 +109,11 @@ def test_in_place_allreduce_of_shared_arrays_matches_numpy_and_reads_the_peers_d
 
 
 def _repeated_with_new_values(rank, size, calls):
-    """Back-to-back direct all-reduces of one shared array, refilled before each call: a rank that
-    returned while a peer still read its array would hand that peer the next call's values."""
+    """Back-to-back direct all-reduces of one shared array, refilled before each call."""
     import tf_commstrategy as tfcs
     from tf_commstrategy.process import default_group
     tfcs.init(transport="shm", timeout=60)
-    y = tfcs.shared_empty(1 << 18, np.float64)  # 2 MiB
-    rng = np.random.default_rng(rank)
-    wrong = []
-    for i in range(calls):
-        if rng.random() < 0.1:
-            time.sleep(rng.random() * 0.002)  # ranks drift apart
-        y[:] = rank * 1000 + i
-        tfcs.allreduce(y, out=y)
-        want = sum(r * 1000 + i for r in range(size))
-        if not (y == want).all():
-            wrong.append((i, float(y.min()), float(y.max()), want))
+    wrong = refill_and_allreduce(tfcs.shared_empty(1 << 18, np.float64), rank, size, calls)  # 2 MiB
     return wrong, _direct(default_group().backend("grpc"))
 
 
@@ -208,17 +184,9 @@ def _killed_mid_direct(rank, size):
     tfcs.init(transport="shm", timeout=60)
     y = tfcs.shared_empty(16 << 20, np.float32)  # 64 MiB: the kill lands inside an all-reduce
     y[:] = 1.0
-    if rank == 2:
-        threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    t_kill = time.time() + 1.5
     from tf_commstrategy.process import default_group
     b = default_group().backend("grpc")
-    try:
-        while time.time() < t_kill + 60:
-            tfcs.allreduce(y, op="max", out=y)
-    except tfcs.TfcsError as e:
-        return type(e).__name__, getattr(e, "peer_rank", None), time.time() - t_kill, _direct(b)
-    return "no error", None, 0, _direct(b)
+    return allreduce_until_killed(y, rank, lambda: _direct(b))
 
 
 @pytest.mark.timeout(200)
