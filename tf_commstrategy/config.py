@@ -18,7 +18,10 @@ DEFAULT_TIMEOUT_S = 300.0          # collective deadline
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
 DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit over gRPC (per-message overhead ~50-100 us)
 DEFAULT_SHM_CHUNK_BYTES = 1 << 20     # ... through shared memory (rings of 4 frames stay small in /dev/shm)
-DEFAULT_SOCKET_CHUNK_BYTES = 4 << 20  # ... over raw sockets (measured: 64 MiB all-reduce 155 ms -> 51 ms)
+DEFAULT_SOCKET_CHUNK_BYTES = 1 << 20  # ... over raw sockets, every rank with a core of its own (measured,
+                                      # 2 ranks over TCP: 256 MiB 0.56-0.58 of gloo, 4 MiB chunks 0.69-0.74)
+CROWDED_SOCKET_CHUNK_BYTES = 4 << 20  # ... when some host has more ranks than cores (4 ranks on 2 cores,
+                                      # TCP, 64 MiB: 0.87-0.92 of gloo, 1 MiB chunks 1.01-1.02)
 MAX_CHUNK_BYTES = 128 << 20  # a chunk and its frame header must fit one gRPC message (256 MiB)
 DEFAULT_SMALL_BYTES = 0            # all-reduce by all-gather up to this many bytes x (size - 1) (TFCS_SMALL_ALLREDUCE_BYTES) ...
 DEFAULT_SHM_SMALL_BYTES = 64 << 10  # ... when every ring link is shared memory (measured: 8 B, 4 ranks: 381 -> 220 us)

@@ -33,8 +33,8 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
       timeout: deadline of every collective in seconds (``TFCS_TIMEOUT``, default 300).
       rendezvous_timeout: how long to wait for the coordinator and the other workers
         (``TFCS_RENDEZVOUS_TIMEOUT``, default 300).
-      chunk_bytes: pipelining unit of the ring (``TFCS_CHUNK_BYTES``; default 4 MiB when every ring link
-        is a raw socket, else 1 MiB).
+      chunk_bytes: pipelining unit of the ring (``TFCS_CHUNK_BYTES``; default 1 MiB, or 4 MiB when every
+        ring link is a raw socket and some host has more ranks than cores).
       bind_host / advertise_host: where this worker's servers listen / what peers dial
         (``TFCS_BIND_HOST`` / ``TFCS_ADVERTISE_HOST``; defaults: loopback for a loopback coordinator,
         else all interfaces and the address that routes to the coordinator).

@@ -49,3 +49,24 @@ def _large(rank, size):
 
 def test_messages_far_above_grpc_default_4mib_limit_pass():
     assert run_workers(_large, 2, timeout=120) == [3.0, 3.0]
+
+
+def _socket_chunk(rank, size, transport, crowded_rank):
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.process import default_group
+    if rank == crowded_rank:  # this rank's host now has fewer cores than ranks
+        os.cpu_count = lambda: 1
+    tfcs.init(transport=transport)
+    x = np.arange(3 << 20, dtype=np.float32) + rank  # 12 MiB: several chunks of either size per segment
+    got = tfcs.allreduce(x)
+    want = 2 * np.arange(3 << 20, dtype=np.float64) + 1
+    return default_group().backend("grpc").chunk_bytes, bool(np.array_equal(got, want))
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a core per rank for the uncrowded case")
+@pytest.mark.parametrize("transport,crowded_rank", [("tcp", None), ("unix", None), ("tcp", 1), ("unix", 0)])
+def test_socket_rings_pick_one_chunk_size_on_every_rank_from_every_hosts_crowding(transport, crowded_rank):
+    # 2 ranks on this host's cores: 1 MiB chunks; one rank seeing fewer cores than ranks moves every rank to 4 MiB
+    res = run_workers(_socket_chunk, 2, transport, crowded_rank, timeout=120)
+    want = (4 << 20) if crowded_rank is not None else (1 << 20)
+    assert res == [(want, True)] * 2, res

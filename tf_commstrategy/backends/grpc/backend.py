@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import zlib
@@ -105,7 +106,7 @@ class GrpcRingBackend(Backend):
             if "shm" in kinds:
                 self.chunk_bytes = config.DEFAULT_SHM_CHUNK_BYTES
             elif all(k in ("unix", "tcp") for k in kinds):
-                self.chunk_bytes = config.DEFAULT_SOCKET_CHUNK_BYTES
+                self.chunk_bytes = self._socket_chunk_bytes()
             else:
                 self.chunk_bytes = config.DEFAULT_CHUNK_BYTES
         if self.small_bytes is None:  # the same on every rank too: it picks the algorithm
@@ -166,6 +167,20 @@ class GrpcRingBackend(Backend):
         problems[:0] = [("shared-memory links", why) for why in distinct.values()]
         setup_report.publish(g.store, self.rank, self.size, g.rendezvous_timeout,
                              setup_report.my_facts(rings, problems, fusion_state), len(hosts))
+
+    def _socket_chunk_bytes(self) -> int:
+        """The ring's chunk when every link is a raw socket: 1 MiB while every rank has a core of its own
+        on its host (a chunk then is reduced while it is still in the cache), 4 MiB when some host has
+        more ranks than cores (fewer hand-offs between the ranks sharing a core). A collective step:
+        each rank publishes whether its host is crowded, so every rank picks the same size."""
+        g, w = self.group, self.group.workers
+        here = sum(1 for x in w if x.local_link_key == w[self.rank].local_link_key)
+        crowded = here > (os.cpu_count() or 1)
+        g.store.set(f"grpc/crowded/{self.rank}", "1" if crowded else "0")
+        theirs = [g.store.get(f"grpc/crowded/{q}", g.rendezvous_timeout) for q in range(self.size) if q != self.rank]
+        if crowded or "1" in theirs:
+            return config.CROWDED_SOCKET_CHUNK_BYTES
+        return config.DEFAULT_SOCKET_CHUNK_BYTES
 
     def _setup_cma(self, g, spin: float) -> None:
         """Every rank on one host: can every rank read every peer's memory (``shm_cma.probe``)? Then large
