@@ -202,8 +202,9 @@ class GrpcRingBackend(Backend):
                 self._cma_reader = None
         if self.rank == 0:
             if self._cma_bytes:
-                log.info("tf_commstrategy: all-reduces of at least %d KiB read the peers' arrays by cross-memory "
-                         "attach (process_vm_readv)", self._cma_bytes >> 10)
+                b = self._cma_bytes
+                log.info("tf_commstrategy: all-reduces of at least %s read the peers' arrays by cross-memory "
+                         "attach (process_vm_readv)", f"{b >> 20} MiB" if b % (1 << 20) == 0 else f"{b >> 10} KiB")
             else:
                 log.info("tf_commstrategy: no cross-memory reads (%s); large all-reduces of private arrays take "
                          "the %s", why, "shared buffers" if self.size >= 3 and self._fusion is not None else "ring")
