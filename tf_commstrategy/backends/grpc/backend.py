@@ -145,7 +145,7 @@ class GrpcRingBackend(Backend):
                 else:
                     log.info("tf_commstrategy: all-reduce through shared buffers (%d ranks on one host, %d MiB "
                              "each)", self.size, self._fusion.capacity >> 20)
-            self._setup_cma(g, spin)
+            self._setup_cma(g)
         # Hierarchy (several hosts, several ranks on some): all-reduce within each host, then among one
         # leader per host, then broadcast within the host, as NCCL and MPI do.
         hosts = {}
@@ -182,7 +182,7 @@ class GrpcRingBackend(Backend):
             return config.CROWDED_SOCKET_CHUNK_BYTES
         return config.DEFAULT_SOCKET_CHUNK_BYTES
 
-    def _setup_cma(self, g, spin: float) -> None:
+    def _setup_cma(self, g) -> None:
         """Every rank on one host: can every rank read every peer's memory (``shm_cma.probe``)? Then large
         all-reduces of private arrays read the peers' arrays where they are, coordinated through the
         fusion buffers' flags (or flag buffers of their own when those are off). A collective step."""
@@ -192,10 +192,7 @@ class GrpcRingBackend(Backend):
         # they start after the handshake's own floor (smaller thresholds would be reported, not used)
         self._cma_bytes = max(agreed, DIRECT_ABOVE_BYTES + 1) if agreed else 0
         if self._cma_bytes and self._direct is None:  # every rank alike
-            self._direct_tried = True
-            self._direct, why = shm_fusion.FusionBuffers.create(
-                g.store, self.rank, self.size, [x.pid for x in g.workers], self.describe, DIRECT_FLAGS_BYTES,
-                g.rendezvous_timeout, spin, prefix="shmdirect")
+            why = self._make_direct_flags(g.rendezvous_timeout)
             if self._direct is None:
                 self._cma_bytes, why = 0, why or "a peer could not create its flag buffer"
                 shm_cma.forget_reader(self._cma_reader)
@@ -473,13 +470,20 @@ class GrpcRingBackend(Backend):
                 self._fail(e, notify_peers=True)  # any failed collective
                 raise
 
+    def _make_direct_flags(self, timeout: float) -> Optional[str]:
+        """Flag buffers of their own for the direct all-reduce (shared arrays, cross-memory reads) when the
+        job has no shared all-reduce buffers: a collective step, tried once. Returns this rank's problem
+        (``self._direct`` stays None on every rank alike) or None."""
+        self._direct_tried = True
+        self._direct, problem = shm_fusion.FusionBuffers.create(
+            self.group.store, self.rank, self.size, [x.pid for x in self.group.workers], self.describe,
+            DIRECT_FLAGS_BYTES, timeout, shm_memory.spin_seconds(self.size), prefix="shmdirect")
+        return problem
+
     def _shared_empty_locked(self, shape, dtype, nbytes: int, wait: float) -> np.ndarray:
         g = self.group
         if not self._direct_tried:  # no shared all-reduce buffers (turned off, or they could not be made)
-            self._direct_tried = True
-            self._direct, problem = shm_fusion.FusionBuffers.create(
-                g.store, self.rank, self.size, [x.pid for x in g.workers], self.describe, DIRECT_FLAGS_BYTES,
-                wait, shm_memory.spin_seconds(self.size), prefix="shmdirect")
+            problem = self._make_direct_flags(wait)
             if problem:
                 log.warning("tf_commstrategy rank %d: shared arrays unavailable (%s); shared_empty hands out "
                             "private memory", self.rank, problem)
