@@ -7,25 +7,32 @@ from tests.helpers import run_workers
 from tests.multiprocess import tf_workloads as W
 
 
-def _distributed(rank, size, local_devices):
+def _distributed(rank, size, local_devices, flavour=2):
     W.setup_tf(local_devices)
     import tf_commstrategy as tfcs
     devices = [f"/cpu:{i}" for i in range(local_devices)]
     strategy = tfcs.CommStrategy(devices=devices)
     assert strategy.num_replicas_in_sync == size * local_devices
     # a different seed on every worker: CommStrategy must still start every worker from rank 0's values
-    return {wl: W.train(strategy, *wl, seed=100 + rank) for wl in W.WORKLOADS}
+    return {wl: W.train(strategy, *wl, seed=100 + rank, flavour=flavour) for wl in W.WORKLOADS}
 
 
-def _single(rank, size):
+def _single(rank, size, flavour=2):
     tf = W.setup_tf(1)
     strategy = tf.distribute.get_strategy()  # the default strategy: one process, one device
-    return {wl: W.train(strategy, *wl, seed=100) for wl in W.WORKLOADS}
+    return {wl: W.train(strategy, *wl, seed=100, flavour=flavour) for wl in W.WORKLOADS}
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_workers(_single, 1, timeout=280)[0]
+def references():
+    """The single-process results per Keras flavour, computed once per module when first asked for."""
+    cache = {}
+
+    def get(flavour):
+        if flavour not in cache:
+            cache[flavour] = run_workers(_single, 1, flavour, timeout=280)[0]
+        return cache[flavour]
+    return get
 
 
 def _assert_close(a, b, what, rtol=1e-5, atol=1e-6):
@@ -34,10 +41,12 @@ def _assert_close(a, b, what, rtol=1e-5, atol=1e-6):
 
 @pytest.mark.timeout(600)
 # 3 workers (about 50 s on the 2-core machine) run in the slow step; the default suite keeps 2 workers with
-# one and two local devices each
+# one and two local devices each, in both Keras flavours (3: ``import keras``; 2: tf_keras)
+@pytest.mark.parametrize("flavour", [3, 2])
 @pytest.mark.parametrize("size,local_devices", [(2, 2), pytest.param(3, 2, marks=pytest.mark.slow), (2, 1)])
-def test_fit_matches_single_process_and_is_identical_across_workers(reference, size, local_devices):
-    results = run_workers(_distributed, size, local_devices, timeout=540)
+def test_fit_matches_single_process_and_is_identical_across_workers(references, size, local_devices, flavour):
+    reference = references(flavour)
+    results = run_workers(_distributed, size, local_devices, flavour, timeout=540)
     for wl in W.WORKLOADS:
         first = results[0][wl]
         for r in range(1, size):  # bitwise identical across workers

@@ -1,4 +1,4 @@
-"""Small tf_keras workloads shared by the strategy tests (imported inside worker processes)."""
+"""Small Keras workloads (tf_keras or Keras 3) shared by the strategy tests (imported inside worker processes)."""
 
 import os
 
@@ -35,29 +35,35 @@ def data(kind):
     return x, y.astype(np.int64)
 
 
-def build(kind, opt, seed):
-    import tf_keras as keras
+def keras_module(flavour: int = 2):
+    """The Keras of a flavour: 3 is ``import keras`` (Keras 3), 2 is tf_keras."""
+    import importlib
+    return importlib.import_module("keras" if flavour == 3 else "tf_keras")
+
+
+def build(kind, opt, seed, flavour: int = 2):
+    keras = keras_module(flavour)
     keras.utils.set_random_seed(seed)
     L = keras.layers
     if kind == "mlp":
-        m = keras.Sequential([L.Dense(16, activation="relu", input_shape=(12,)), L.Dense(4)])
+        m = keras.Sequential([keras.Input((12,)), L.Dense(16, activation="relu"), L.Dense(4)])
     elif kind == "cnn":
-        m = keras.Sequential([L.Conv2D(4, 3, activation="relu", input_shape=(8, 8, 1)), L.MaxPooling2D(),
+        m = keras.Sequential([keras.Input((8, 8, 1)), L.Conv2D(4, 3, activation="relu"), L.MaxPooling2D(),
                               L.Flatten(), L.Dense(8, activation="relu"), L.Dense(4)])
     else:
-        m = keras.Sequential([L.Embedding(50, 8, input_length=6), L.GlobalAveragePooling1D(), L.Dense(4)])
+        m = keras.Sequential([keras.Input((6,)), L.Embedding(50, 8), L.GlobalAveragePooling1D(), L.Dense(4)])
     o = keras.optimizers.Adam(0.01) if opt == "adam" else keras.optimizers.SGD(0.05, momentum=0.9)
     m.compile(optimizer=o, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
     return m
 
 
-def train(strategy, kind, opt, seed):
+def train(strategy, kind, opt, seed, flavour: int = 2):
     """fit / evaluate / predict; returns weights, optimizer variables, history, eval and predictions."""
     import tensorflow as tf
     x, y = data(kind)
     with strategy.scope():
-        m = build(kind, opt, seed)
+        m = build(kind, opt, seed, flavour)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     hist = m.fit(ds, epochs=EPOCHS, verbose=0)
     ev = m.evaluate(ds, verbose=0)

@@ -34,7 +34,8 @@ from tensorflow.python.trackable import base as trackable_base
 from .. import heap as heap_policy
 from .. import process
 from ..core.backend import normalize_backend_name
-from . import input_path, keras_compat, tensor_ops, threads
+from . import input_path, keras3_compat, tensor_ops, tf_keras_compat, threads
+from .keras_patches import TF_SAVING
 from . import options as opts
 from .cross_device_ops import CommCrossDeviceOps, check_transport
 from .native_path import NativeAllReduce
@@ -49,8 +50,8 @@ def local_replica_reads():
     """Inside the block every read of a replica-local (SyncOnRead) variable gives this worker's own
     value, without a collective, under every CommStrategy of the process.
 
-    ``keras_compat`` wraps every way of saving a model in it (``Model.save`` / ``save_weights``,
-    ``tf_keras.models.save_model``, ``tf.saved_model.save``), so ``if tfcs.rank() == 0: save(...)``
+    ``tf_keras_compat`` and ``keras3_compat`` wrap every way of saving a model in it (``Model.save`` /
+    ``save_weights``, ``save_model``, ``tf.saved_model.save``), so ``if tfcs.rank() == 0: save(...)``
     saves the metrics' state (totals, counts) of rank 0 alone and never issues a collective that the
     other ranks would not join."""
     global _local_reads
@@ -107,7 +108,9 @@ class CommStrategy(tf.distribute.MirroredStrategy):
         extended = CommExtended(self, devices, group, normalize_backend_name(backend), communication_options,
                                 sync_metrics)
         distribute_lib.Strategy.__init__(self, extended)
-        keras_compat.install()
+        TF_SAVING.install()
+        tf_keras_compat.install()
+        keras3_compat.install()
 
     @property
     def process_group(self):
@@ -249,7 +252,7 @@ class CommExtended(mirrored_strategy.MirroredExtended):
         from ONE fused reduction made on entry, instead of one collective per variable.
 
         tf_keras reads every metric's state (e.g. total and count of each ``Mean``) at every step;
-        ``keras_compat`` wraps ``Model.get_metrics_result`` in this block. Works in replica context
+        ``tf_keras_compat`` and ``keras3_compat`` wrap ``Model.get_metrics_result`` in this block. Works in replica context
         (the reduction runs in a ``merge_call``, as each read would) and in cross-replica context.
         Nothing changes the variables inside the block, and the served values belong to the graph
         (or eager context) the block was entered in.
@@ -306,7 +309,7 @@ class CommExtended(mirrored_strategy.MirroredExtended):
         ``apply_gradients``) also reduces these SUM-aggregated replica-local variables (metric state),
         and ``fused_sync_on_read`` then serves their reads from it: one collective per train step.
 
-        The variables must not change between that reduction and their reads (``keras_compat``
+        The variables must not change between that reduction and their reads (``tf_keras_compat``
         updates the metrics before the optimizer step, then reads them after). If no such reduction
         happens in the block, the reads make their own fused one as before.
 
@@ -335,6 +338,9 @@ class CommExtended(mirrored_strategy.MirroredExtended):
 
     # -- reductions --------------------------------------------------------------------------------
     def _reduce_to(self, reduce_op, value, destinations, options):
+        if not isinstance(value, (value_lib.DistributedValues, tf.Tensor, tf.Variable)) and tf.nest.is_nested(value):
+            # a structure (strategy.reduce of a batch): each leaf, as MirroredStrategy does
+            return tf.nest.map_structure(lambda v: self._reduce_to(reduce_op, v, destinations, options), value)
         if isinstance(value, value_lib.Mirrored) and reduce_op == reduce_util.ReduceOp.MEAN:
             return value
         cached = self._cached_read(reduce_op, value) if isinstance(value, value_lib.SyncOnReadVariable) else None
