@@ -64,51 +64,81 @@ def _replica_ctx_of_comm():
 class StepSync:
     """One train / test step's metric state, all-reduced once across every replica of the job.
 
+    Also, in a train step, the moving statistics of ``BatchNormalization`` layers: Keras 3 keeps them as
+    mirrored variables that each replica updates from its own batch (aggregation "none"); they are
+    averaged over all replicas in the same collective, so every worker holds the same statistics (the
+    moving mean equals one process's on the global batch; the moving variance is the mean of the
+    replicas' batch variances).
+
     Args:
       model: the Keras 3 model whose ``metrics`` are synced.
+      train: whether the step trains (updates moving statistics).
       defer_apply: hold the optimizer's ``apply`` back until the step has updated its metrics, then run
         it with the metric state riding on the gradients' all-reduce (only for Keras's own
         ``train_step`` with its own ``compute_metrics``, which read no weights after the update).
     """
 
-    def __init__(self, model, defer_apply: bool):
+    def __init__(self, model, train: bool, defer_apply: bool):
         self.model = model
         self.defer_apply = defer_apply
+        self.piggyback = defer_apply  # the metric state is final when the held-back step runs
         self.deferred = None      # (optimizer, grads, variables) held back by the apply wrapper
-        self.reduced = None       # the synced variables' global values, once reduced
+        self.reduced = None       # the metric variables' global values, once reduced
         self.variables = [kv for m in model.metrics for kv in m.variables
                           if isinstance(kv.value, value_lib.SyncOnReadVariable) and kv.value.aggregation in _SYNCED]
+        self.averaged = _moving_statistics(model) if train else []
 
     def local_states(self):
-        """This replica's values of the synced variables (a replica-context read is local)."""
-        return [tf.convert_to_tensor(kv.value) for kv in self.variables]
+        """This replica's values of the metric variables and moving statistics (a replica-context read
+        is local)."""
+        return [tf.convert_to_tensor(kv.value) for kv in self.variables + self.averaged]
 
     def take_reduced(self, summed, num_replicas: int) -> None:
-        """Keep the summed states, MEAN-aggregated ones divided by the replica count."""
+        """Keep the summed metric states (MEAN-aggregated ones divided by the replica count) and
+        assign the averaged moving statistics."""
+        n = len(self.variables)
         self.reduced = [s / tf.cast(num_replicas, s.dtype) if kv.value.aggregation == tf.VariableAggregation.MEAN
-                        else s for kv, s in zip(self.variables, summed)]
+                        else s for kv, s in zip(self.variables, summed[:n])]
+        for kv, s in zip(self.averaged, summed[n:]):
+            kv.value.assign(s / tf.cast(num_replicas, s.dtype))  # aggregation "none": this replica's copy
 
     def finish(self, logs):
-        """Run a held-back optimizer step, reduce the metric state if nothing carried it, and return
-        ``logs`` with every metric result computed from the global state."""
+        """Run a held-back optimizer step, reduce the state if nothing carried it, and return ``logs``
+        with every metric result computed from the global state."""
         if self.deferred is not None:
             optimizer, grads, variables = self.deferred
             self.deferred = None
             optimizer.apply(grads, variables)  # the apply wrapper reduces grads + local_states()
-        if not isinstance(logs, dict) or not self.variables:
+        if not self.variables and not self.averaged:
             return logs
         from keras.src.backend.common.stateless_scope import StatelessScope
         metric_keys = set(self.model.get_metrics_result())
-        extra = [k for k, v in sorted(logs.items()) if k not in metric_keys and _float_scalar(v)]
+        extra = [] if not isinstance(logs, dict) else \
+            [k for k, v in sorted(logs.items()) if k not in metric_keys and _float_scalar(v)]
         ctx = tf.distribute.get_replica_context()
         n = ctx.strategy.num_replicas_in_sync
         if self.reduced is None:
-            summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, self.local_states() + [logs[k] for k in extra])
-            self.take_reduced(summed[:len(self.variables)], n)
-            logs = dict(logs, **{k: s / tf.cast(n, s.dtype) for k, s in zip(extra, summed[len(self.variables):])})
+            states = self.local_states()
+            summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, states + [logs[k] for k in extra])
+            self.take_reduced(summed[:len(states)], n)
+            logs = dict(logs, **{k: s / tf.cast(n, s.dtype) for k, s in zip(extra, summed[len(states):])})
+        if not isinstance(logs, dict) or not self.variables:
+            return logs
         with StatelessScope(state_mapping=list(zip(self.variables, self.reduced))):
             metric_logs = self.model.get_metrics_result()
         return {k: metric_logs.get(k, v) for k, v in logs.items()}
+
+
+def _moving_statistics(model):
+    """The moving statistics of the model's BatchNormalization layers that each replica updates alone."""
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+    out = []
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, BatchNormalization):
+            out += [kv for kv in (layer.moving_mean, layer.moving_variance)
+                    if isinstance(kv.value, value_lib.MirroredVariable)
+                    and kv.value.aggregation == tf.VariableAggregation.NONE]
+    return out
 
 
 def _float_scalar(value) -> bool:
@@ -142,7 +172,7 @@ def optimizer_apply(original):
         inner = getattr(self, "inner_optimizer", None)
         if inner is not None:  # a LossScaleOptimizer applies its inner one, in replica threads of its own
             inner._tfcs_receives_reduced = True
-        extra = sync.local_states() if sync is not None and sync.reduced is None else []
+        extra = sync.local_states() if sync is not None and sync.piggyback and sync.reduced is None else []
         grads, states = _all_reduce_grads(ctx, list(grads), extra)
         if extra:
             sync.take_reduced(states, ctx.strategy.num_replicas_in_sync)
@@ -173,8 +203,10 @@ def make_function(original):
         default_train = (getattr(step_function, "__func__", None) is TensorFlowTrainer.train_step
                          and type(self).compute_metrics is Trainer.compute_metrics)
 
+        train = getattr(step_function, "__name__", "") == "train_step"
+
         def step(data):
-            sync = StepSync(self, defer_apply=default_train)
+            sync = StepSync(self, train, defer_apply=default_train)
             previous = getattr(_local, "sync", None)
             _local.sync = sync
             try:
