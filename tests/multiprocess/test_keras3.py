@@ -362,3 +362,55 @@ def test_keras3_mixed_precision_uneven_data_saving_and_checkpoints(tmp_path):
         assert straight_epochs == [0, 1, 2, 3] and cut_epochs == [0, 1, 2] and resumed_epochs == [2, 3], res["backup"]
         for a, b in zip(resumed, straight):  # resumed at the interrupted epoch, nothing lost
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _callbacks(rank, size, with_strategy):
+    """tfcs.callbacks on Keras 3 models, under CommStrategy or with a plain per-worker strategy."""
+    tf = W.setup_tf(1)
+    import keras
+    import tf_commstrategy as tfcs
+    strategy = tfcs.CommStrategy() if with_strategy else tf.distribute.get_strategy()
+    if not with_strategy:
+        tfcs.init()
+    x, y = W.data("mlp")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(size, rank).batch(W.GLOBAL_BATCH // size)
+    with strategy.scope():
+        m = _mlp(keras, seed=rank, optimizer=keras.optimizers.Adam(0.01))  # every worker starts elsewhere
+        m.optimizer.build(m.trainable_variables)
+    local, lrs, start = [], [], []
+    record_start = keras.callbacks.LambdaCallback(on_train_begin=lambda logs: start.extend(
+        _weights(m) + [np.asarray(v) for v in m.optimizer.variables]))
+    record_local = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: local.append(dict(logs)))
+    record_lr = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda b, logs: lrs.append(float(m.optimizer.learning_rate.numpy())))
+    warmup = tfcs.callbacks.LearningRateWarmupCallback(0.02, warmup_epochs=2)
+    h = m.fit(ds, epochs=3, verbose=tfcs.callbacks.verbosity(), callbacks=[
+        tfcs.callbacks.BroadcastGlobalVariablesCallback(0), record_start, warmup, record_local, record_lr,
+        tfcs.callbacks.MetricAverageCallback()])
+    return {"start": start, "weights": _weights(m), "opt": [np.asarray(v) for v in m.optimizer.variables], "local": local,
+            "history": h.history, "lrs": lrs, "steps": warmup.steps_per_epoch}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("with_strategy", [False, True])
+def test_keras3_models_take_tfcs_callbacks(with_strategy):
+    from tf_commstrategy.callbacks import logic
+    results = run_workers(_callbacks, 2, with_strategy, timeout=240)
+    first = results[0]
+    for r in results:
+        assert len(r["start"]) == len(first["start"]) > 4
+        for a, b in zip(r["start"], first["start"]):  # rank 0's weights and optimizer state everywhere
+            np.testing.assert_array_equal(a, b)
+        if with_strategy:  # then the same steps everywhere (without it, each worker trains alone)
+            for a, b in zip(r["weights"] + r["opt"], first["weights"] + first["opt"]):
+                np.testing.assert_array_equal(a, b)
+        assert r["history"]["loss"] == first["history"]["loss"]  # averaged epoch logs, identical
+        steps = r["steps"]
+        expected = [0.02 * logic.warmup_multiplier(e + b / steps, 2, 2) for e in range(2) for b in range(steps)]
+        np.testing.assert_allclose(r["lrs"][:len(expected)], expected, rtol=1e-6)
+        assert r["lrs"][len(expected):] == [pytest.approx(0.02)] * steps
+    for e in range(3):  # each epoch's logged loss: the mean of the workers' own (equal under CommStrategy)
+        mean = np.mean([r["local"][e]["loss"] for r in results])
+        np.testing.assert_allclose(first["history"]["loss"][e], mean, rtol=1e-6)
+    if not with_strategy:
+        assert results[0]["local"][0]["loss"] != results[1]["local"][0]["loss"]  # local metrics did differ

@@ -1,4 +1,7 @@
-"""Keras callbacks for multi-worker training (Horovod's, for tf_keras on TF >= 2.16).
+"""Keras callbacks for multi-worker training (Horovod's, for Keras 3 and tf_keras on TF >= 2.16).
+
+Each callback is a Keras 3 ``keras.callbacks.Callback`` and a tf_keras ``tf_keras.callbacks.Callback``
+at once (``Callback`` below), so the same object serves a model of either flavour.
 
 Place ``MetricAverageCallback`` *before* callbacks that act on epoch logs (EarlyStopping,
 ReduceLROnPlateau, ModelCheckpoint(save_best_only=True), CSVLogger, TensorBoard): they then see the
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import keras as keras3
 import numpy as np
 import tf_keras as keras
 
@@ -17,7 +21,18 @@ from ..errors import ConfigurationError
 from . import logic
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class Callback(keras3.callbacks.Callback, keras.callbacks.Callback):
+    """A callback both Keras flavours accept: Keras 3's class (its ``model`` property, ``set_model`` and
+    hooks come first) with tf_keras's attributes and batch-hook queries (``_implements_*_batch_hooks``)."""
+
+    def __init__(self):
+        keras3.callbacks.Callback.__init__(self)
+        self.validation_data = None      # tf_keras's attributes; its __init__ would assign ``model``,
+        self._chief_worker_only = None   # a read-only property of Keras 3's class
+        self._supports_tf_logs = False
+
+
+class BroadcastGlobalVariablesCallback(Callback):
     """At the start of every ``fit``, give every worker root's model and optimizer variables.
 
     The optimizer's slots are built first, so they exist and are broadcast too. Useful when workers
@@ -77,7 +92,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         model = self.model
         opt = model.optimizer
         with model.distribute_strategy.scope():
-            if opt is not None and hasattr(opt, "build") and not getattr(opt, "_built", False):
+            built = getattr(opt, "_built", False) or getattr(opt, "built", False)  # tf_keras / Keras 3
+            if opt is not None and hasattr(opt, "build") and not built:
                 opt.build(model.trainable_variables)
             elif opt is not None and hasattr(opt, "_create_all_weights"):  # tf_keras.optimizers.legacy.*
                 opt._create_all_weights(model.trainable_variables)  # pylint: disable=protected-access
@@ -96,7 +112,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcasts += 1
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(Callback):
     """At epoch end, replace every scalar in ``logs`` (training and ``val_*``) by its mean over workers.
 
     With local metrics (``CommStrategy(sync_metrics=False)`` or no CommStrategy) this makes the epoch
@@ -119,7 +135,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
         logic.average_logs(logs, lambda a, op: collectives.allreduce(a, op=op))
 
 
-class LearningRateWarmupCallback(keras.callbacks.Callback):
+class LearningRateWarmupCallback(Callback):
     """Gradual learning-rate warmup from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``,
     adjusted every batch (Goyal et al. 2017, "Accurate, Large Minibatch SGD"; Horovod's callback).
 
