@@ -1,6 +1,10 @@
 """Training throughput of the reference CNN: CommStrategy vs MultiWorkerMirroredStrategy vs the ceiling.
 
-    python benchmarks/keras_throughput.py [--workers 2] [--steps 300] [--rounds 3] [--json out.json]
+    python benchmarks/keras_throughput.py [--keras 3|2] [--workers 2] [--steps 300] [--rounds 3] [--json out.json]
+
+``--keras 3`` (the default) trains the tfcs and ceiling jobs with Keras 3 (``import keras``), ``--keras 2``
+with tf_keras. The MultiWorkerMirroredStrategy jobs always use tf_keras: MWMS cannot train a Keras 3
+model across workers (keras-team/keras#20585), so with ``--keras 3`` they are the best that MWMS offers.
 
 Model: Conv2D(32,3)-MaxPool-Flatten-Dense(128)-Dense(10) (~0.69 M parameters), MNIST-shaped synthetic
 data, 64 samples per worker per step. Each round runs these jobs one after the other; rounds repeat
@@ -52,13 +56,15 @@ SKIP = 20  # steps of the timed fit call not counted (first-step effects of the 
 JOBS = ("tfcs", "mwms", "mwms-pools", "ceiling", "ceiling-pools")
 
 
-def _tf_setup():
-    """TensorFlow, as every job's worker imports it (tf_keras; the "-pools" jobs' pool size; pinning)."""
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+def _tf_setup(mode=""):
+    """TensorFlow, as every job's worker imports it (the Keras of ``TFCS_BENCH_KERAS``, tf_keras for the
+    MWMS jobs; the "-pools" jobs' pool size; pinning)."""
+    import importlib
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
     import tensorflow as tf
-    import tf_keras as keras
+    flavour = "2" if mode.startswith("mwms") else os.environ.get("TFCS_BENCH_KERAS", "3")
+    keras = importlib.import_module("keras" if flavour == "3" else "tf_keras")
     threads = os.environ.get("TFCS_BENCH_TF_THREADS")  # a pool size for this job (the "-pools" jobs)
     if threads:
         tf.config.threading.set_intra_op_parallelism_threads(int(threads))
@@ -80,7 +86,7 @@ def _comm_strategy():
 
 def _model(keras, cls=None):
     L = keras.layers
-    layers = [L.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), L.MaxPooling2D(), L.Flatten(),
+    layers = [keras.Input((28, 28, 1)), L.Conv2D(32, 3, activation="relu"), L.MaxPooling2D(), L.Flatten(),
               L.Dense(128, activation="relu"), L.Dense(10)]
     model = (cls or keras.Sequential)(layers)
     model.compile(optimizer="adam", metrics=["accuracy"],
@@ -125,10 +131,12 @@ def _timed_fit(keras, model, ds, steps, counters=lambda: {}):
         def on_train_batch_end(self, batch, logs=None):
             marks["end"] = time.perf_counter()
             marks["usage"] = usage()
+            if batch == steps + SKIP - 1:  # the last step: before fit's own epoch-end work
+                marks["usage"].update(counters())
 
     t0 = time.perf_counter()
     model.fit(ds, epochs=1, steps_per_epoch=steps + SKIP, verbose=0, callbacks=[Clock()])
-    grown = {k: v - marks["counters"][k] for k, v in dict(counters(), **marks["usage"]).items()}
+    grown = {k: v - marks["counters"][k] for k, v in marks["usage"].items()}
     # the window in CLOCK_MONOTONIC seconds (perf_counter's clock on Linux), to line up with a profiler's
     # samples (``perf record -k CLOCK_MONOTONIC``)
     return dict(grown, wall_s=marks["end"] - marks["begin"], fit_call_s=time.perf_counter() - t0,
@@ -136,7 +144,7 @@ def _timed_fit(keras, model, ds, steps, counters=lambda: {}):
 
 
 def worker(mode, steps, out):
-    np, tf, keras, rank = _tf_setup()
+    np, tf, keras, rank = _tf_setup(mode)
     n = int(os.environ.get("TFCS_WORLD_SIZE", "1"))
     if mode.startswith("tfcs"):
         strategy = _comm_strategy()
@@ -157,6 +165,7 @@ def worker(mode, steps, out):
     if rank == 0 or mode.startswith("ceiling"):
         with open(out, "w") as f:
             json.dump(dict(timed, mode=mode, global_batch=global_batch, params=model.count_params(),
+                           keras=keras.__name__ + " " + keras.__version__,
                            intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads(),
                            inter_op_threads=tf.config.threading.get_inter_op_parallelism_threads()), f)
 
@@ -245,7 +254,7 @@ def paired_worker(steps, blocks, out):
     waiting for the others in each step: ``_lockstep_model``) take turns, the order rotated from
     one round of blocks to the next. Both ranks start every block together (a barrier, outside the timed
     window)."""
-    np, tf, keras, rank = _tf_setup()
+    np, tf, keras, rank = _tf_setup("paired")
     import tf_commstrategy as tfcs
     strategy = _comm_strategy()
     n = tfcs.size()
@@ -287,6 +296,7 @@ def paired_worker(steps, blocks, out):
             json.dump({"mode": "paired", "blocks": rows, "global_batch": PER_WORKER_BATCH * n,
                        "lockstep_barriers": barrier.count,  # every lockstep step passed one, warm-up included
                        "params": model_t.count_params(), "steps": steps,
+                       "keras": keras.__name__ + " " + keras.__version__,
                        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
                        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads()}, f)
 
@@ -301,15 +311,16 @@ def _comm_counters(mode):
     """Seconds this rank has spent inside collectives (``comm_s``), and of those, inside the compiled
     all-reduce waiting for the other ranks (``wait_s``; 0 where the op is not used)."""
     if not mode.startswith("tfcs"):
-        return {"comm_s": 0.0, "wait_s": 0.0}
+        return {"comm_s": 0.0, "wait_s": 0.0, "collectives": 0}
     from tf_commstrategy.process import default_group
     from tf_commstrategy.tf.native_path import NativeAllReduce
     group = default_group()
     native = NativeAllReduce.for_group(group)  # set up already by the strategy: only looked up here
-    busy = group.backend("grpc").stats()["busy_s"]
+    stats = group.backend("grpc").stats()
     if native is None:
-        return {"comm_s": busy, "wait_s": 0.0}
-    return {"comm_s": busy + native.busy_seconds(), "wait_s": native.wait_seconds()}
+        return {"comm_s": stats["busy_s"], "wait_s": 0.0, "collectives": stats["seq"]}
+    return {"comm_s": stats["busy_s"] + native.busy_seconds(), "wait_s": native.wait_seconds(),
+            "collectives": stats["seq"] + native.calls()}
 
 
 def _free_ports(n):
@@ -378,8 +389,10 @@ def summarize(rounds, workers, steps):
     """Markdown: the median of each job over the rounds, and each round's ratios."""
     jobs = list(rounds[0])
     med = {j: statistics.median(r[j]["samples_per_s"] for r in rounds) for j in jobs}
+    kerases = sorted({f"{j}: {rounds[0][j]['keras']}" for j in jobs if "keras" in rounds[0][j]})
     lines = [f"reference CNN ({rounds[0][jobs[0]]['params']:,} parameters), {workers} workers x "
-             f"{PER_WORKER_BATCH} samples, {steps} timed steps, {len(rounds)} rounds\n",
+             f"{PER_WORKER_BATCH} samples, {steps} timed steps, {len(rounds)} rounds" +
+             (f"; Keras per job: {', '.join(kerases)}" if kerases else "") + "\n",
              "| job | pools (intra/inter) | samples/s, median of rounds | step time | each round |",
              "|---|---|---|---|---|"]
     for j in jobs:
@@ -416,7 +429,9 @@ def summarize(rounds, workers, steps):
                      (f", lockstep {per_step('wall_s', 'lockstep'):.2f} ms (of which waiting at its barrier "
                       f"{per_step('barrier_wait_s', 'lockstep'):.2f} ms)" if lock else "") +
                      f"; tfcs inside collectives {per_step('comm_s'):.2f} "
-                     f"ms, of which waiting for the other ranks {per_step('wait_s'):.2f} ms")
+                     f"ms, of which waiting for the other ranks {per_step('wait_s'):.2f} ms" +
+                     (f"; collectives per tfcs step {per_step('collectives') / 1e3:.2f}"
+                      if all("collectives" in b["tfcs"] for b in blocks) else ""))
         if all("minflt" in b[job] for b in blocks for job in paired_jobs):  # recorded since the 17th session
             lines.append("page faults per step (rank 0, median over blocks): " + ", ".join(
                 f"{job} {per_step('minflt', job) / 1e3:.1f} ({per_step('sys_s', job):.2f} ms in the kernel)"
@@ -454,6 +469,9 @@ def summarize(rounds, workers, steps):
         lines.append(f"\ntfcs step-time split (rank 0, median share): {step * (1 - share):.1f} ms compute and "
                      f"framework, {step * share:.1f} ms inside collectives ({100 * share:.0f}%), of which "
                      f"{step * wait:.2f} ms waiting for the other ranks")
+        if "collectives" in rounds[0]["tfcs"]:
+            lines.append("collectives per tfcs step (rank 0, round 1): "
+                         f"{rounds[0]['tfcs']['collectives'] / rounds[0]['tfcs']['steps']:.2f}")
         lines.append("whole fit() call incl. its start (samples/s, round 1): " + ", ".join(
             f"{j} {rounds[0][j]['fit_call_samples_per_s']:,.0f}" for j in jobs))
     return "\n".join(lines)
@@ -463,6 +481,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--worker")
     p.add_argument("--out")
+    p.add_argument("--keras", choices=["3", "2"], default=os.environ.get("TFCS_BENCH_KERAS", "3"),
+                   help="the Keras of the tfcs and ceiling jobs: 3 (import keras) or 2 (tf_keras)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=3)
@@ -473,6 +493,7 @@ def main():
     p.add_argument("--plot", help="write a PNG bar chart of the jobs here (needs matplotlib)")
     p.add_argument("--from-json", help="summarize / plot an earlier --json file instead of running")
     a = p.parse_args()
+    os.environ["TFCS_BENCH_KERAS"] = a.keras  # the workers' flavour (they inherit the environment)
     if a.worker == "paired":
         return paired_worker(a.steps, a.blocks, a.out)
     if a.worker:
@@ -492,7 +513,7 @@ def main():
     print("\n" + summarize(rounds, a.workers, a.steps))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"workers": a.workers, "steps": a.steps, "rounds": rounds, "machine": {
+            json.dump({"workers": a.workers, "steps": a.steps, "keras": a.keras, "rounds": rounds, "machine": {
                 "cores": len(os.sched_getaffinity(0)), "date": time.strftime("%Y-%m-%d")}}, f, indent=1)
     if a.plot:
         plot(rounds, a.workers, a.plot)

@@ -1,26 +1,27 @@
 """A custom training loop: strategy.run + GradientTape, gradients all-reduced, strategy.reduce for the loss.
 
-    tfcs-run -np 2 python examples/custom_training_loop.py [--steps 30]
+    tfcs-run -np 2 python examples/custom_training_loop.py [--keras 3|2] [--steps 30]
 """
 
 import argparse
+import importlib
 import os
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import tf_keras as keras  # noqa: E402
 
 import tf_commstrategy as tfcs  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--keras", default="3", choices=["3", "2"], help="3: Keras 3 (import keras); 2: tf_keras")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per replica")
     a = p.parse_args()
+    keras = importlib.import_module("keras" if a.keras == "3" else "tf_keras")
     strategy = tfcs.CommStrategy()
     global_batch = a.batch_size * strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
@@ -29,7 +30,7 @@ def main():
     ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch)
     dist = iter(strategy.experimental_distribute_dataset(ds))
     with strategy.scope():
-        model = keras.Sequential([keras.layers.Dense(32, activation="relu", input_shape=(16,)), keras.layers.Dense(1)])
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)])
         opt = keras.optimizers.SGD(0.05)
 
     @tf.function

@@ -11,7 +11,6 @@ while the scalar metrics stay on grpc.
 import argparse
 import os
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402

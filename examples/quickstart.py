@@ -1,8 +1,17 @@
-"""Quickstart: a small Keras model trained on every worker of the job.  tfcs-run -np 2 python examples/quickstart.py"""
+"""Quickstart: a small Keras model trained on every worker of the job.
+
+    tfcs-run -np 2 python examples/quickstart.py [--keras 3|2]      (3: import keras, the default; 2: tf_keras)
+"""
+import argparse
+import importlib
+
 import numpy as np
 import tensorflow as tf
-import tf_keras as keras
 import tf_commstrategy as tfcs
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--keras", default="3", choices=["3", "2"])
+keras = importlib.import_module("keras" if parser.parse_args().keras == "3" else "tf_keras")
 
 strategy = tfcs.CommStrategy()                     # joins the job that tfcs-run started (rank, size, coordinator)
 x = np.random.default_rng(0).random((8192, 8), dtype=np.float32)

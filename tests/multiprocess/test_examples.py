@@ -10,7 +10,10 @@ from tests.helpers import ROOT
 
 CASES = [
     (["examples/keras_mnist.py", "--epochs", "1", "--train-samples", "2048"], "final: test accuracy"),
+    (["examples/keras_mnist.py", "--keras", "2", "--epochs", "1", "--train-samples", "2048"], "final: test accuracy"),
     (["examples/custom_training_loop.py", "--steps", "5"], "weights identical on 2 workers"),
+    (["examples/custom_training_loop.py", "--keras", "2", "--steps", "5"], "weights identical on 2 workers"),
+    (["examples/quickstart.py", "--keras", "2"], "rank 0 of 2: accuracy"),
     (["examples/keras_synthetic_benchmark.py", "--iters", "2", "--batches-per-iter", "3", "--warmup-batches", "2"],
      "total img/sec on 2 workers"),
     (["examples/per_call_backend.py", "--steps", "5"], "gradients via grpc, metrics via grpc"),
@@ -22,7 +25,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("args,expect", CASES, ids=[c[0][0].split("/")[1] for c in CASES])
+@pytest.mark.parametrize("args,expect", CASES,
+                         ids=[c[0][0].split("/")[1] + ("-keras2" if "--keras" in c[0] else "") for c in CASES])
 def test_example_runs_on_two_workers(args, expect):
     r = subprocess.run([sys.executable, "-m", "tf_commstrategy.run", "-np", "2", sys.executable] + args,
                        cwd=ROOT, capture_output=True, text=True, timeout=280)

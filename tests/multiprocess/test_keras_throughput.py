@@ -34,6 +34,7 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
         t, c, k = b["tfcs"], b["ceiling"], b["lockstep"]
         assert t["steps"] == c["steps"] == k["steps"] == STEPS
         assert t["comm_s"] > 0  # the strategy's blocks all-reduce every step
+        assert t["collectives"] == STEPS and c["collectives"] == k["collectives"] == 0  # one per step, fused
         assert 0 <= t["wait_s"] <= t["comm_s"]  # waits for the other rank: part of the time in collectives
         assert c["comm_s"] == c["wait_s"] == 0  # the ceiling's blocks never enter a collective
         assert k["comm_s"] == k["wait_s"] == 0  # nor do the lockstep blocks: they only wait at their barrier
@@ -52,7 +53,8 @@ def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):
         ratios = [b[num]["samples_per_s"] / b[den]["samples_per_s"] for b in blocks]
         assert f"{ratios[0]:.2f}, {ratios[1]:.2f}" in p.stdout, (num, den)
         assert f"{num} / {den}, all 2 rounds of blocks: median " in p.stdout
-    assert "of which waiting for the other ranks" in p.stdout
+    assert "of which waiting for the other ranks" in p.stdout and "collectives per tfcs step 1.00" in p.stdout
+    assert job["keras"].startswith("keras 3.")  # the default flavour: Keras 3
     # page faults and kernel time per step of each job (rank 0's counters, grown over the timed window)
     faults = {job: sorted(b[job]["minflt"] / STEPS for b in blocks) for job in ("tfcs", "ceiling", "lockstep")}
     kernel = {job: sorted(1e3 * b[job]["sys_s"] / STEPS for b in blocks) for job in faults}
