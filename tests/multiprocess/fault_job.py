@@ -8,16 +8,17 @@ lost rank, detection time after the victim's fault) to ``DIR/rank<r>.json`` and 
 ``--fault none`` trains to the end and writes the weights (the reference for restarts).
 With ``--backup DIR`` training uses BackupAndRestore, and ``--kill-epoch E`` kills the victim after
 epoch E on the first attempt only (``TFCS_RESTART_COUNT`` = 0), to test ``tfcs-run --max-restarts``.
+``--keras 3|2``: Keras 3 (``import keras``) or tf_keras.
 """
 
 import argparse
+import importlib
 import json
 import os
 import signal
 import sys
 import time
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
@@ -33,10 +34,11 @@ def main():
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--backup", default="")
     p.add_argument("--kill-epoch", type=int, default=-1)
+    p.add_argument("--keras", choices=["3", "2"], default="2")
     a = p.parse_args()
 
     import tensorflow as tf
-    import tf_keras as keras
+    keras = importlib.import_module("keras" if a.keras == "3" else "tf_keras")
     import tf_commstrategy as tfcs
 
     tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -51,7 +53,7 @@ def main():
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(gb)
     with strategy.scope():
         keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.layers.Dense(32, activation="relu", input_shape=(16,)),
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
                                   keras.layers.Dense(2)])
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -48,9 +48,10 @@ def _check_kill(r, reports, victim=2):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("transport", ["auto", "tcp"])  # shared memory (the default here), raw TCP sockets
-def test_kill9_during_fit_survivors_raise_peer_lost_naming_it(tmp_path, transport):
-    r, reports, _ = _job(tmp_path, "--fault", "kill", "--victim", "2", "--at", "5",
+# shared memory (the default here) and raw TCP sockets with tf_keras; shared memory with Keras 3
+@pytest.mark.parametrize("transport,keras", [("auto", "2"), ("tcp", "2"), ("auto", "3")])
+def test_kill9_during_fit_survivors_raise_peer_lost_naming_it(tmp_path, transport, keras):
+    r, reports, _ = _job(tmp_path, "--fault", "kill", "--victim", "2", "--at", "5", "--keras", keras,
                          run_args=("--transport", transport))
     _check_kill(r, reports)
 
@@ -101,8 +102,9 @@ def test_frozen_worker_is_declared_lost_by_heartbeats_within_15s(tmp_path):
 
 @pytest.mark.slow  # two 3-worker jobs, about a minute on 2 cores; the default suite keeps the restart loop
 @pytest.mark.timeout(300)  # (test_max_restarts_gives_up_after_k_attempts) and BackupAndRestore's resume (test_keras_paths)
-def test_max_restarts_with_backup_and_restore_loses_nothing(tmp_path):
-    common = ("--steps", "12", "--epochs", "3")
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_max_restarts_with_backup_and_restore_loses_nothing(tmp_path, keras):
+    common = ("--steps", "12", "--epochs", "3", "--keras", keras)
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     r, _, ref_out = _job(ref_dir, *common)

@@ -281,13 +281,16 @@ def _robustness(rank, size, tmp):
                     "iterations": int(m.optimizer.iterations.numpy()), "weights": _weights(m)}
     keras.mixed_precision.set_global_policy("float32")
 
-    # uneven shards: rank r has 3 + 2r batches; every worker runs the largest count of steps
-    with strategy.scope():
-        m = _mlp(keras)
-    steps = []
-    m.fit(_own_shard(tf, rank, 3 + 2 * rank), epochs=2, verbose=0, callbacks=[keras.callbacks.LambdaCallback(
-        on_epoch_end=lambda e, logs: steps.append(int(m.optimizer.iterations.numpy())))])
-    out["uneven"] = {"steps": steps, "weights": _weights(m)}
+    # uneven shards: rank r has 3 + 2r batches; every worker runs the largest count of steps (Keras counts
+    # global batches when it can; of unknown length, every worker runs until all are out of data)
+    for unknown in (False, True):
+        with strategy.scope():
+            m = _mlp(keras)
+        steps = []
+        ds = _own_shard(tf, rank, 3 + 2 * rank)
+        m.fit(ds.filter(lambda *_: True) if unknown else ds, epochs=2, verbose=0, callbacks=[
+            keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: steps.append(int(m.optimizer.iterations.numpy())))])
+        out["uneven_unknown" if unknown else "uneven"] = {"steps": steps, "weights": _weights(m)}
 
     ds = _dataset(tf)
     # saving on rank 0 alone, in every format and through every entry point
@@ -350,10 +353,13 @@ def test_keras3_mixed_precision_uneven_data_saving_and_checkpoints(tmp_path):
         for a, b in zip(mixed["weights"], first["mixed"]["weights"]):
             np.testing.assert_array_equal(a, b)
             assert np.isfinite(a).all()
-        # uneven shards (3 and 5 batches): 5 steps per epoch on both workers
-        assert res["uneven"]["steps"] == [5, 10], res["uneven"]
-        for a, b in zip(res["uneven"]["weights"], first["uneven"]["weights"]):
-            np.testing.assert_array_equal(a, b)
+        # uneven shards (3 and 5 global batches): 5 steps per epoch on both workers; of unknown length, the
+        # 10 per-replica pieces of the longer shard, plus the call that finds every worker out of data, which
+        # Keras 3 counts as an iteration (it does so in one process too: its increment does not wait for data)
+        assert res["uneven"]["steps"] == [5, 10] and res["uneven_unknown"]["steps"] == [11, 22], res
+        for key in ("uneven", "uneven_unknown"):
+            for a, b in zip(res[key]["weights"], first[key]["weights"]):
+                np.testing.assert_array_equal(a, b)
         for loaded in res["saved"]["loaded"]:  # rank 0's files, read by every worker
             for a, b in zip(loaded, first["saved"]["trained"]):
                 np.testing.assert_array_equal(a, b)
