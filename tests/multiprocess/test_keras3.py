@@ -130,7 +130,8 @@ def _collectives_per_step(tfcs, strategy, m, ds):
         before = count()
         m.fit(ds.repeat(), epochs=1, steps_per_epoch=steps, verbose=0)
         counts.append(count() - before)
-    return (counts[1] - counts[0]) / 4
+    per_step = (counts[1] - counts[0]) / 4
+    return per_step, counts[0] - 4 * per_step  # and what a fit issues once (reset, epoch-end reads)
 
 
 def _training(rank, size, distributed):
@@ -192,14 +193,14 @@ def _training(rank, size, distributed):
         import tf_commstrategy as tfcs
         with strategy.scope():
             m = _mlp(keras)
-        out["per_step"] = _collectives_per_step(tfcs, strategy, m, ds)
+        out["per_step"], out["per_fit"] = _collectives_per_step(tfcs, strategy, m, ds)
         with strategy.scope():
             m = _mlp(keras, bn=True)
         bn = _fit_logs(keras, m, ds, epochs=2)
         out["bn"] = {"weights": bn["weights"], "history": bn["history"]}
         with strategy.scope():  # a model that has seen only the repeated dataset (see _collectives_per_step)
             m = _mlp(keras, bn=True)
-        out["bn"]["per_step"] = _collectives_per_step(tfcs, strategy, m, ds)
+        out["bn"]["per_step"], _ = _collectives_per_step(tfcs, strategy, m, ds)
     return out
 
 
@@ -246,6 +247,8 @@ def test_keras3_training_equals_one_process_with_global_logs_at_every_step(refer
         # the metric state (loss, accuracy: total and count each), and BatchNormalization's moving
         # statistics, ride on the gradients' all-reduce
         assert r["per_step"] == 1 and r["bn"]["per_step"] == 1, (r["per_step"], r["bn"]["per_step"])
+        # once per fit: the epoch end reads all metric state in one collective (resetting it issues none)
+        assert r["per_fit"] == 1, r["per_fit"]
         # BatchNormalization: every replica normalizes with its own batch; the moving statistics are
         # averaged over replicas when updated, so weights and statistics are identical on every worker
         for a, b in zip(r["bn"]["weights"], first["bn"]["weights"]):

@@ -37,7 +37,7 @@ import threading
 import tensorflow as tf
 from tensorflow.python.distribute import values as value_lib
 
-from .keras_patches import Patches, agree_on_steps, saving_locally, unwrapping_errors
+from .keras_patches import Patches, agree_on_steps, reading_locally, unwrapping_errors
 
 _local = threading.local()  # per replica thread: the step being traced (StepSync) and reduced-apply depth
 
@@ -111,22 +111,30 @@ class StepSync:
             optimizer.apply(grads, variables)  # the apply wrapper reduces grads + local_states()
         if not self.variables and not self.averaged:
             return logs
-        from keras.src.backend.common.stateless_scope import StatelessScope
-        metric_keys = set(self.model.get_metrics_result())
-        extra = [] if not isinstance(logs, dict) else \
-            [k for k, v in sorted(logs.items()) if k not in metric_keys and _float_scalar(v)]
-        ctx = tf.distribute.get_replica_context()
-        n = ctx.strategy.num_replicas_in_sync
-        if self.reduced is None:
-            states = self.local_states()
-            summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, states + [logs[k] for k in extra])
-            self.take_reduced(summed[:len(states)], n)
-            logs = dict(logs, **{k: s / tf.cast(n, s.dtype) for k, s in zip(extra, summed[len(states):])})
+        if self.reduced is None:  # a train_step of the user's own: its other scalar logs ride along
+            logs = self._reduce_with(logs)
         if not isinstance(logs, dict) or not self.variables:
             return logs
+        from keras.src.backend.common.stateless_scope import StatelessScope
         with StatelessScope(state_mapping=list(zip(self.variables, self.reduced))):
             metric_logs = self.model.get_metrics_result()
         return {k: metric_logs.get(k, v) for k, v in logs.items()}
+
+    def _reduce_with(self, logs):
+        """Reduce the local state in one collective, with the scalar float entries of ``logs`` that are
+        not metric results; returns ``logs`` with those entries averaged over replicas."""
+        extra = []
+        if isinstance(logs, dict):
+            metric_keys = set(self.model.get_metrics_result())
+            extra = [k for k, v in sorted(logs.items()) if k not in metric_keys and _float_scalar(v)]
+        ctx = tf.distribute.get_replica_context()
+        n = ctx.strategy.num_replicas_in_sync
+        states = self.local_states()
+        summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, states + [logs[k] for k in extra])
+        self.take_reduced(summed[:len(states)], n)
+        if not extra:
+            return logs
+        return dict(logs, **{k: s / tf.cast(n, s.dtype) for k, s in zip(extra, summed[len(states):])})
 
 
 def _moving_statistics(model):
@@ -202,7 +210,6 @@ def make_function(original):
         from keras.src.trainers.trainer import Trainer
         default_train = (getattr(step_function, "__func__", None) is TensorFlowTrainer.train_step
                          and type(self).compute_metrics is Trainer.compute_metrics)
-
         train = getattr(step_function, "__name__", "") == "train_step"
 
         def step(data):
@@ -338,15 +345,17 @@ PATCHES = Patches("Keras 3", "keras", ((3, 12), (3, 16)), {
     _TRAINER + "_make_function": make_function,
     _TRAINER + "_maybe_symbolic_build": maybe_symbolic_build,
     "keras.src.trainers.trainer:Trainer.get_metrics_result": get_metrics_result,
+    # resetting a replica-local variable assigns it and reads it back across workers: locally instead
+    "keras.src.trainers.trainer:Trainer.reset_metrics": reading_locally,
     "keras.src.backend.tensorflow.trainer:reduce_per_replica": reduce_per_replica,
     "keras.src.backend.tensorflow.trainer:TFEpochIterator.__init__": epoch_iterator_init,
     "keras.src.backend.tensorflow.trainer:TFEpochIterator.reset": epoch_iterator_reset,
     **{_TRAINER + name: rank0_progress_and_typed_errors for name in ("fit", "evaluate", "predict")},
     **{_TRAINER + name: unwrapping_errors for name in ("train_on_batch", "test_on_batch", "predict_on_batch")},
-    _MODEL + "save": saving_locally,
-    _MODEL + "save_weights": saving_locally,
-    "keras.src.saving.saving_api:save_model": saving_locally,
-    "keras.src.saving.saving_api:save_weights": saving_locally,
+    _MODEL + "save": reading_locally,
+    _MODEL + "save_weights": reading_locally,
+    "keras.src.saving.saving_api:save_model": reading_locally,
+    "keras.src.saving.saving_api:save_weights": reading_locally,
     "keras.src.callbacks.model_checkpoint:ModelCheckpoint._save_model": chief_writes,
     "keras.src.callbacks.backup_and_restore:BackupAndRestore._save_model": chief_writes,
     "keras.src.callbacks.backup_and_restore:BackupAndRestore.on_train_end": chief_writes,

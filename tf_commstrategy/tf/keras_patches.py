@@ -148,9 +148,10 @@ def agree_on_steps(local_steps):
     return None if (every < 0).any() else int(every.max())
 
 
-def saving_locally(original):
+def reading_locally(original):
     """A wrapper that runs ``original`` with replica-local variables read locally (see
-    ``strategy.local_replica_reads``): a save on one rank alone issues no collective."""
+    ``strategy.local_replica_reads``): a save on one rank alone issues no collective, and a reset
+    (whose assignment reads the value back) none per variable."""
     def wrapper(*args, **kwargs):
         from .strategy import local_replica_reads
         with local_replica_reads():
@@ -170,5 +171,5 @@ def unwrapping_errors(original):
 # TensorFlow's own SavedModel writer, which tf.saved_model.save, tf_keras's SavedModel format and Keras 3's
 # Model.export call: it reads every saved variable's attributes outside its save context.
 TF_SAVING = Patches("TensorFlow SavedModel", "tensorflow", ((2, 16), (2, 22)), {
-    "tensorflow.python.saved_model.save:save_and_return_nodes": saving_locally,
+    "tensorflow.python.saved_model.save:save_and_return_nodes": reading_locally,
 })

@@ -21,7 +21,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.distribute import values
 
-from .keras_patches import Patches, agree_on_steps, saving_locally, unwrapping_errors
+from .keras_patches import Patches, agree_on_steps, reading_locally, unwrapping_errors
 
 
 def _comm_multi_worker(strategy) -> bool:
@@ -143,9 +143,9 @@ PATCHES = Patches("tf_keras", "tf_keras", ((2, 16), (2, 22)), {
     _TRAINING + "train_step": train_step,
     # saving on one rank (``if tfcs.rank() == 0: model.save(path)``): the .keras and SavedModel formats
     # read the metrics' state, and a cross-worker read there would be a collective no other rank joins
-    _TRAINING + "save": saving_locally,
-    _TRAINING + "save_weights": saving_locally,
-    "tf_keras.src.saving.saving_api:save_model": saving_locally,
+    _TRAINING + "save": reading_locally,
+    _TRAINING + "save_weights": reading_locally,
+    "tf_keras.src.saving.saving_api:save_model": reading_locally,
     # a PeerLostError (etc.) inside a step reaches Keras as tf.errors.UnknownError: re-raise ours
     **{_TRAINING + name: unwrapping_errors for name in
        ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")},
