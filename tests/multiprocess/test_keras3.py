@@ -154,6 +154,10 @@ def _training(rank, size, distributed):
     out["spe"]["lrs"] = lrs
 
     with strategy.scope():
+        m = _mlp(keras, run_eagerly=True)
+    out["eager"] = _fit_logs(keras, m, ds, epochs=1)
+
+    with strategy.scope():
         m = _mlp(keras)
     out["class_weight"] = _fit_logs(keras, m, ds, epochs=1, class_weight={0: 1.0, 1: 2.0, 2: 0.5, 3: 1.5})
 
@@ -229,7 +233,8 @@ def reference():
 def test_keras3_training_equals_one_process_with_global_logs_at_every_step(reference, size):
     results = run_workers(_training, size, True, timeout=540)
     first = results[0]
-    for name in ("logs", "spe", "class_weight", "clipnorm", "global_clipnorm", "custom_step", "two_in_two_out"):
+    for name in ("logs", "spe", "eager", "class_weight", "clipnorm", "global_clipnorm", "custom_step",
+                 "two_in_two_out"):
         for r in range(size):
             _compare(results[r][name], reference[name], f"{name} on rank {r}")
     assert first["spe"]["lrs"] == reference["spe"]["lrs"]  # ReduceLROnPlateau: the same decisions

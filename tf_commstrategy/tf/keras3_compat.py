@@ -18,7 +18,7 @@ and callbacks under a ``CommStrategy`` only:
   step. A ``train_step`` of the user's own gets one more (its logs' metric entries are global, its
   other scalar entries are averaged over replicas in the same collective). At epoch end
   ``get_metrics_result`` reads all metric state in one fused collective.
-* ``predict`` concatenates every worker's outputs in order; the shape-learning reduce of the first
+* ``predict`` concatenates every worker's outputs in order (``gathering_predictions``); the shape-learning reduce of the first
   batch (``_maybe_symbolic_build``) takes this worker's first replica's batch, without a collective.
 * Uneven data: workers agree on the number of steps of an epoch (``TFEpochIterator``).
 * ``verbose="auto"``: the progress bar on rank 0 only; tf_commstrategy errors surface as themselves.
@@ -37,26 +37,18 @@ import threading
 import tensorflow as tf
 from tensorflow.python.distribute import values as value_lib
 
-from .keras_patches import Patches, agree_on_steps, reading_locally, unwrapping_errors
+from .keras_patches import (Patches, agree_on_steps, gathering_predictions, is_comm, is_comm_multi_worker,
+                            reading_locally, unwrapping_errors)
 
 _local = threading.local()  # per replica thread: the step being traced (StepSync) and reduced-apply depth
 
 _SYNCED = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
 
 
-def _comm(strategy) -> bool:
-    from .strategy import CommStrategy
-    return isinstance(strategy, CommStrategy)
-
-
-def _comm_multi_worker(strategy) -> bool:
-    return _comm(strategy) and strategy.extended._in_multi_worker_mode()
-
-
 def _replica_ctx_of_comm():
     """The replica context when code runs in one of a CommStrategy's replicas, else None."""
     ctx = tf.distribute.get_replica_context()
-    if ctx is None or not _comm(ctx.strategy) or ctx.strategy.num_replicas_in_sync < 2:
+    if ctx is None or not is_comm(ctx.strategy) or ctx.strategy.num_replicas_in_sync < 2:
         return None
     return ctx
 
@@ -204,7 +196,7 @@ def all_reduce_sum_gradients(original):
 def make_function(original):
     """Train and test steps under CommStrategy return global logs (``StepSync``)."""
     def wrapper(self, step_function):
-        if not _comm(self.distribute_strategy) or self.distribute_strategy.num_replicas_in_sync < 2:
+        if not is_comm(self.distribute_strategy) or self.distribute_strategy.num_replicas_in_sync < 2:
             return original(self, step_function)
         from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
         from keras.src.trainers.trainer import Trainer
@@ -229,7 +221,7 @@ def get_metrics_result(original):
     def wrapper(self):
         strategy = self.distribute_strategy
         ctx = tf.distribute.get_replica_context()
-        if not _comm_multi_worker(strategy) or (ctx is not None and _comm(ctx.strategy)):
+        if not is_comm_multi_worker(strategy) or (ctx is not None and is_comm(ctx.strategy)):
             return original(self)  # inside a step, StepSync serves the global values
         with strategy.extended.fused_sync_on_read([kv.value for m in self.metrics for kv in m.variables]):
             return original(self)
@@ -241,7 +233,7 @@ def maybe_symbolic_build(original):
     CommStrategy it takes this worker's first replica's batch instead (same shapes, no collective)."""
     def wrapper(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
-        if iterator is None or not _comm(strategy):
+        if iterator is None or not is_comm(strategy):
             return original(self, iterator=iterator, data_batch=data_batch)
         for _, _, it in iterator:
             batch = next(it)
@@ -253,14 +245,9 @@ def maybe_symbolic_build(original):
     return wrapper
 
 
-def reduce_per_replica(original):
-    """``predict``: concatenate every worker's replicas in order (Keras does so only for MWMS)."""
-    def wrapper(values, strategy, reduction):
-        if reduction == "concat" and _comm_multi_worker(strategy):
-            from keras.src.backend.tensorflow import trainer
-            return tf.nest.map_structure(lambda v: trainer._multi_worker_concat(v, strategy), values)
-        return original(values, strategy, reduction)
-    return wrapper
+def _multi_worker_concat():
+    from keras.src.backend.tensorflow import trainer
+    return trainer._multi_worker_concat
 
 
 def epoch_iterator_init(original):
@@ -268,7 +255,7 @@ def epoch_iterator_init(original):
     batches at the end through tf.distribute's partial-batch handling); see ``agree_on_steps``."""
     def wrapper(self, distribute_strategy=None, *args, **kwargs):
         original(self, distribute_strategy, *args, **kwargs)
-        if self.steps_per_epoch is None and _comm_multi_worker(distribute_strategy):
+        if self.steps_per_epoch is None and is_comm_multi_worker(distribute_strategy):
             self._tfcs_num_batches = agree_on_steps(self._num_batches)
             self._num_batches = self._tfcs_num_batches
     return wrapper
@@ -289,7 +276,7 @@ def rank0_progress_and_typed_errors(original):
     run = unwrapping_errors(original)
 
     def wrapper(self, *args, **kwargs):
-        if _comm(self.distribute_strategy) and self.distribute_strategy.extended._id_in_cluster != 0:
+        if is_comm(self.distribute_strategy) and self.distribute_strategy.extended._id_in_cluster != 0:
             bound = signature.bind(self, *args, **kwargs)
             if bound.arguments.get("verbose", "auto") == "auto":
                 bound.arguments["verbose"] = 0
@@ -300,7 +287,7 @@ def rank0_progress_and_typed_errors(original):
 
 def _is_chief(model) -> bool:
     strategy = getattr(model, "distribute_strategy", None)
-    return not _comm(strategy) or strategy.extended.should_checkpoint
+    return not is_comm(strategy) or strategy.extended.should_checkpoint
 
 
 def chief_writes(original):
@@ -318,7 +305,7 @@ def backup_restore_begin(original):
     def wrapper(self, logs=None):
         original(self, logs)
         strategy = self.model.distribute_strategy
-        if not _comm_multi_worker(strategy):
+        if not is_comm_multi_worker(strategy):
             return
         import numpy as np
         from .. import collectives
@@ -347,7 +334,8 @@ PATCHES = Patches("Keras 3", "keras", ((3, 12), (3, 16)), {
     "keras.src.trainers.trainer:Trainer.get_metrics_result": get_metrics_result,
     # resetting a replica-local variable assigns it and reads it back across workers: locally instead
     "keras.src.trainers.trainer:Trainer.reset_metrics": reading_locally,
-    "keras.src.backend.tensorflow.trainer:reduce_per_replica": reduce_per_replica,
+    # predict: every worker's outputs, in order
+    "keras.src.backend.tensorflow.trainer:reduce_per_replica": gathering_predictions(_multi_worker_concat),
     "keras.src.backend.tensorflow.trainer:TFEpochIterator.__init__": epoch_iterator_init,
     "keras.src.backend.tensorflow.trainer:TFEpochIterator.reset": epoch_iterator_reset,
     **{_TRAINER + name: rank0_progress_and_typed_errors for name in ("fit", "evaluate", "predict")},

@@ -148,6 +148,33 @@ def agree_on_steps(local_steps):
     return None if (every < 0).any() else int(every.max())
 
 
+def is_comm(strategy) -> bool:
+    """Whether ``strategy`` is a ``CommStrategy``."""
+    from .strategy import CommStrategy
+    return isinstance(strategy, CommStrategy)
+
+
+def is_comm_multi_worker(strategy) -> bool:
+    """Whether ``strategy`` is a ``CommStrategy`` of more than one worker."""
+    return is_comm(strategy) and strategy.extended._in_multi_worker_mode()
+
+
+def gathering_predictions(multi_worker_concat: Callable[[], Callable]):
+    """A builder for Keras's ``reduce_per_replica(values, strategy, reduction)``: ``predict``'s "concat"
+    under a multi-worker CommStrategy goes through Keras's own multi-worker concatenation
+    (``multi_worker_concat()(value, strategy)``: ``strategy.gather``, then the replicas in order),
+    which Keras uses only for MultiWorkerMirroredStrategy. Other reductions are left to Keras."""
+    def build(original):
+        def wrapper(values, strategy, reduction):
+            if reduction == "concat" and is_comm_multi_worker(strategy):
+                import tensorflow as tf
+                concat = multi_worker_concat()
+                return tf.nest.map_structure(lambda v: concat(v, strategy), values)
+            return original(values, strategy, reduction)
+        return wrapper
+    return build
+
+
 def reading_locally(original):
     """A wrapper that runs ``original`` with replica-local variables read locally (see
     ``strategy.local_replica_reads``): a save on one rank alone issues no collective, and a reset

@@ -21,12 +21,8 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.distribute import values
 
-from .keras_patches import Patches, agree_on_steps, reading_locally, unwrapping_errors
-
-
-def _comm_multi_worker(strategy) -> bool:
-    from .strategy import CommStrategy
-    return isinstance(strategy, CommStrategy) and strategy.extended._in_multi_worker_mode()
+from .keras_patches import (Patches, agree_on_steps, gathering_predictions, is_comm_multi_worker, reading_locally,
+                            unwrapping_errors)
 
 
 class FirstComponentReads:
@@ -46,14 +42,9 @@ class FirstComponentReads:
         return getattr(self.variable, name)
 
 
-def reduce_per_replica(original):
-    """``predict``: concatenate every worker's replicas (tf_keras does so only for MWMS)."""
-    def wrapper(values_, strategy, reduction):
-        if reduction == "concat" and _comm_multi_worker(strategy):
-            from tf_keras.src.engine import training
-            return tf.nest.map_structure(lambda v: training._multi_worker_concat(v, strategy), values_)
-        return original(values_, strategy, reduction)
-    return wrapper
+def _multi_worker_concat():
+    from tf_keras.src.engine import training
+    return training._multi_worker_concat
 
 
 def get_verbosity(original):
@@ -74,7 +65,7 @@ def infer_steps(original):
     "has data" count is all-reduced at every step), so the epoch ends at the same step everywhere."""
     def wrapper(self, steps, dataset):
         inferred = original(self, steps, dataset)
-        if steps is not None or not _comm_multi_worker(tf.distribute.get_strategy()):
+        if steps is not None or not is_comm_multi_worker(tf.distribute.get_strategy()):
             return inferred
         return agree_on_steps(inferred)
     return wrapper
@@ -118,7 +109,7 @@ def train_step(original):
     def wrapper(self, data):
         from tf_keras.src.engine import data_adapter, training
         strategy = self.distribute_strategy
-        if (not _comm_multi_worker(strategy)
+        if (not is_comm_multi_worker(strategy)
                 or type(self).compute_metrics is not training.Model.compute_metrics):
             return original(self, data)
         x, y, sample_weight = data_adapter.unpack_x_y_sample_weight(data)
@@ -135,7 +126,7 @@ def train_step(original):
 
 _TRAINING = "tf_keras.src.engine.training:Model."
 PATCHES = Patches("tf_keras", "tf_keras", ((2, 16), (2, 22)), {
-    "tf_keras.src.engine.training:reduce_per_replica": reduce_per_replica,
+    "tf_keras.src.engine.training:reduce_per_replica": gathering_predictions(_multi_worker_concat),
     "tf_keras.src.engine.training:_get_verbosity": get_verbosity,
     "tf_keras.src.engine.data_adapter:DataHandler._infer_steps": infer_steps,
     "tf_keras.src.engine.data_adapter:DataHandler.__init__": data_handler_init,
