@@ -1,6 +1,7 @@
 """Train a small CNN on MNIST with CommStrategy: the main demo (`make demo`).
 
-    tfcs-run -np 2 python examples/keras_mnist.py [--keras 3|2] [--backend grpc|nccl|auto] [--epochs 2] [--batch-size 64]
+    tfcs-run -np 2 python examples/keras_mnist.py [--keras 3|2] [--backend grpc|nccl|auto] [--epochs 2]
+                                                  [--batch-size 64]
 
 ``--keras 3`` (the default) trains with Keras 3, what ``import keras`` and TensorFlow's ``tf.keras`` give;
 ``--keras 2`` with tf_keras (Keras 2).

@@ -150,7 +150,8 @@ def _training(rank, size, distributed):
     out["spe"] = _fit_logs(keras, m, ds, epochs=6, validation_data=ds, callbacks=[
         keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.05),
         keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=0.18),
-        keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: lrs.append(float(m.optimizer.learning_rate.numpy())))])
+        keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda e, logs: lrs.append(float(m.optimizer.learning_rate.numpy())))])
     out["spe"]["lrs"] = lrs
 
     with strategy.scope():
@@ -246,7 +247,8 @@ def test_keras3_training_equals_one_process_with_global_logs_at_every_step(refer
     for a, b in zip(first["two_in_two_out"]["predict"], reference["two_in_two_out"]["predict"]):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-5)
     np.testing.assert_allclose(first["ctl"]["losses"], reference["ctl"]["losses"], rtol=RTOL, atol=ATOL)
-    for a, b in zip(first["ctl"]["weights"] + first["ctl"]["opt"], reference["ctl"]["weights"] + reference["ctl"]["opt"]):
+    ctl, ref_ctl = first["ctl"], reference["ctl"]
+    for a, b in zip(ctl["weights"] + ctl["opt"], ref_ctl["weights"] + ref_ctl["opt"]):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg="custom training loop")
     for r in results:
         # the metric state (loss, accuracy: total and count each), and BatchNormalization's moving
@@ -297,7 +299,8 @@ def _robustness(rank, size, tmp):
         steps = []
         ds = _own_shard(tf, rank, 3 + 2 * rank)
         m.fit(ds.filter(lambda *_: True) if unknown else ds, epochs=2, verbose=0, callbacks=[
-            keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: steps.append(int(m.optimizer.iterations.numpy())))])
+            keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda e, logs: steps.append(int(m.optimizer.iterations.numpy())))])
         out["uneven_unknown" if unknown else "uneven"] = {"steps": steps, "weights": _weights(m)}
 
     ds = _dataset(tf)
@@ -311,7 +314,8 @@ def _robustness(rank, size, tmp):
         keras.saving.save_model(m, os.path.join(tmp, "fn.keras"))
         keras.models.save_model(m, os.path.join(tmp, "fn.h5"))
     tfcs.barrier(timeout=180)  # a stray collective on rank 0 would meet this barrier: a mismatch, not a pass
-    loaded = [_weights(keras.models.load_model(os.path.join(tmp, name))) for name in ("model.keras", "fn.keras", "fn.h5")]
+    loaded = [_weights(keras.models.load_model(os.path.join(tmp, name)))
+              for name in ("model.keras", "fn.keras", "fn.h5")]
     with strategy.scope():
         fresh = _mlp(keras, seed=99)
     fresh.load_weights(os.path.join(tmp, "model.weights.h5"))
@@ -401,7 +405,8 @@ def _callbacks(rank, size, with_strategy):
     h = m.fit(ds, epochs=3, verbose=tfcs.callbacks.verbosity(), callbacks=[
         tfcs.callbacks.BroadcastGlobalVariablesCallback(0), record_start, warmup, record_local, record_lr,
         tfcs.callbacks.MetricAverageCallback()])
-    return {"start": start, "weights": _weights(m), "opt": [np.asarray(v) for v in m.optimizer.variables], "local": local,
+    return {"start": start, "weights": _weights(m), "opt": [np.asarray(v) for v in m.optimizer.variables],
+            "local": local,
             "history": h.history, "lrs": lrs, "steps": warmup.steps_per_epoch}
 
 

@@ -18,8 +18,9 @@ and callbacks under a ``CommStrategy`` only:
   step. A ``train_step`` of the user's own gets one more (its logs' metric entries are global, its
   other scalar entries are averaged over replicas in the same collective). At epoch end
   ``get_metrics_result`` reads all metric state in one fused collective.
-* ``predict`` concatenates every worker's outputs in order (``gathering_predictions``); the shape-learning reduce of the first
-  batch (``_maybe_symbolic_build``) takes this worker's first replica's batch, without a collective.
+* ``predict`` concatenates every worker's outputs in order (``gathering_predictions``); the
+  shape-learning reduce of the first batch (``_maybe_symbolic_build``) takes this worker's first
+  replica's batch, without a collective.
 * Uneven data: workers agree on the number of steps of an epoch (``TFEpochIterator``).
 * ``verbose="auto"``: the progress bar on rank 0 only; tf_commstrategy errors surface as themselves.
 * Saving reads replica-local state locally (``if tfcs.rank() == 0: model.save(path)`` never hangs);
