@@ -432,11 +432,11 @@ def summarize(rounds, workers, steps):
                      f"ms, of which waiting for the other ranks {per_step('wait_s'):.2f} ms" +
                      (f"; collectives per tfcs step {per_step('collectives') / 1e3:.2f}"
                       if all("collectives" in b["tfcs"] for b in blocks) else ""))
-        if all("minflt" in b[job] for b in blocks for job in paired_jobs):  # recorded since the 17th session
+        if all("minflt" in b[job] for b in blocks for job in paired_jobs):  # absent from older saved runs
             lines.append("page faults per step (rank 0, median over blocks): " + ", ".join(
                 f"{job} {per_step('minflt', job) / 1e3:.1f} ({per_step('sys_s', job):.2f} ms in the kernel)"
                 for job in paired_jobs))
-        if all("idle_s" in b[job] for b in blocks for job in paired_jobs):  # recorded since the 18th session
+        if all("idle_s" in b[job] for b in blocks for job in paired_jobs):  # absent from older saved runs
             lines.append("idle CPU time per step, all CPUs together (median over blocks): " + ", ".join(
                 f"{job} {per_step('idle_s', job):.2f} ms" for job in paired_jobs))
         if all("rank_wait_s" in b["tfcs"] for b in blocks):
