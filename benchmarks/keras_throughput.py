@@ -318,9 +318,9 @@ def _comm_counters(mode):
     native = NativeAllReduce.for_group(group)  # set up already by the strategy: only looked up here
     stats = group.backend("grpc").stats()
     if native is None:
-        return {"comm_s": stats["busy_s"], "wait_s": 0.0, "collectives": stats["seq"]}
-    return {"comm_s": stats["busy_s"] + native.busy_seconds(), "wait_s": native.wait_seconds(),
-            "collectives": stats["seq"] + native.calls()}
+        return {"comm_s": stats.busy_s, "wait_s": 0.0, "collectives": stats.collectives}
+    return {"comm_s": stats.busy_s + native.busy_seconds(), "wait_s": native.wait_seconds(),
+            "collectives": stats.collectives + native.calls()}
 
 
 def _free_ports(n):

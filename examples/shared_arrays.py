@@ -43,7 +43,7 @@ def main():
     first = tfcs.broadcast(w, root_rank=0)
     same = bool(tfcs.allreduce(np.array([np.array_equal(first, w)], np.int32), op="min")[0])
     from tf_commstrategy.process import default_group
-    direct = default_group().backend("grpc").stats()["direct_allreduces"]
+    direct = default_group().backend("grpc").stats().direct_allreduces
     if r == 0:
         print(f"weights identical on {n} workers: {same}; gradient all-reduces straight through the shared "
               f"arrays on rank 0: {direct} of {args.steps}")

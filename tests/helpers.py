@@ -159,7 +159,7 @@ def cross_memory_max_ranks() -> int:
 def leaked_shm_segments(before) -> list:
     """tf_commstrategy segments in /dev/shm that are not in ``before`` and whose creating process is
     gone: a leak. Segments of live processes (another test's, under ``pytest -n 2``) do not count."""
-    from tf_commstrategy.backends.grpc import shm_memory as M
+    from tf_commstrategy.core import shared_memory as M
     left = []
     for name in set(os.listdir(M.SHM_DIR)) - set(before):
         if not name.startswith(M.PREFIX):

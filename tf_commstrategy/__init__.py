@@ -12,6 +12,9 @@ Importing this package does not import TensorFlow; the TF layer loads on first u
 imported when first accessed.
 """
 
+import importlib as _importlib
+
+from . import collectives as _collectives
 from .collectives import (allgather, allreduce, barrier, broadcast, grouped_allreduce, grouped_broadcast,
                           reduce_scatter, shared_empty)
 from .core.reduce_ops import ReduceOp
@@ -22,6 +25,9 @@ from .errors import (BackendUnavailableError, CollectiveAbortedError, Collective
 from .process import init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __version__ = "0.1.0"
+
+# A tf.Tensor passed to tfcs.allreduce and friends loads the TF layer, which registers its handling.
+_collectives.register_tensor_loader("tensorflow", lambda: _importlib.import_module(".tf", __name__))
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -41,6 +47,5 @@ def __getattr__(name):  # lazy access to the TF layer, so `import tf_commstrateg
         from .tf.tensor_ops import unwrap_errors
         return unwrap_errors
     if name == "callbacks":
-        import importlib
-        return importlib.import_module(".callbacks", __name__)
+        return _importlib.import_module(".callbacks", __name__)
     raise AttributeError(f"module 'tf_commstrategy' has no attribute {name!r}")

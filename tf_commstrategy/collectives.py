@@ -1,29 +1,79 @@
 """The direct collective API, usable without any strategy: ``tfcs.allreduce(x)`` and friends.
 
 Arguments are validated here, then the chosen backend moves the data. numpy arrays (and anything
-``np.asarray`` accepts) come back as numpy arrays; ``tf.Tensor`` inputs are handled by the TF layer
-(``tf_commstrategy.tf.tensor_ops``) and come back as tensors, eagerly and inside ``tf.function``.
+``np.asarray`` accepts) come back as numpy arrays. A framework's tensors are handled by the layer of
+that framework, which registers a ``TensorHandler`` here (the TF layer does for ``tf.Tensor``: they
+come back as tensors, eagerly and inside ``tf.function``); this module never imports a framework.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
 import numpy as np
 
 from .core.backend import normalize_backend_name
+from .core.device_arrays import is_device_array as _is_device_array
+from .core.device_arrays import to_host
 from .core.reduce_ops import ReduceOp, check_dtype
 from .errors import ConfigurationError, UnsupportedOperationError
 from .process import default_group
 
 
-def _is_tf(x) -> bool:
-    return type(x).__module__.startswith("tensorflow")
+class TensorHandler(Protocol):
+    """The collectives of a framework's tensors, registered by that framework's layer
+    (``register_tensor_handler``); same arguments and errors as the functions of this module."""
+
+    def accepts(self, x) -> bool:
+        """True for a tensor of this framework."""
+
+    def allreduce(self, x, op, *, backend: Optional[str], timeout: Optional[float]): ...
+
+    def grouped_allreduce(self, xs: List, op, *, backend: Optional[str], timeout: Optional[float]) -> List: ...
+
+    def broadcast(self, x, root_rank: int, *, backend: Optional[str], timeout: Optional[float]): ...
+
+    def allgather(self, x, *, backend: Optional[str], timeout: Optional[float]): ...
+
+    def reduce_scatter(self, x, op, *, backend: Optional[str], timeout: Optional[float]): ...
 
 
-def _is_device_array(x) -> bool:
-    from .core.auto import is_device_array
-    return is_device_array(x)
+_handlers: List[TensorHandler] = []
+_loaders: Dict[str, Callable[[], None]] = {}
+
+
+def register_tensor_handler(handler: TensorHandler) -> None:
+    """Route the tensors ``handler.accepts`` to ``handler`` (called by a framework's layer on import).
+
+    Args:
+      handler: the framework's collectives.
+    """
+    if handler not in _handlers:
+        _handlers.append(handler)
+
+
+def register_tensor_loader(package: str, load: Callable[[], None]) -> None:
+    """Call ``load()`` (which imports a layer that registers its handler) the first time an argument
+    whose type comes from ``package`` (a top-level module name, e.g. "tensorflow") meets no handler.
+
+    Args:
+      package: the top-level module of the tensor types.
+      load: imports the layer.
+    """
+    _loaders[package] = load
+
+
+def _handler_for(x) -> Optional[TensorHandler]:
+    if type(x) is np.ndarray:  # the common case, answered without looking further
+        return None
+    for h in _handlers:
+        if h.accepts(x):
+            return h
+    load = _loaders.pop(type(x).__module__.split(".")[0], None)
+    if load is None:
+        return None
+    load()
+    return _handler_for(x)
 
 
 def _as_array(x, what: str):
@@ -57,8 +107,7 @@ def _same(r):
 def _staged(b, x):
     """``(operand for b, back)``: a GPU array meeting a host backend (grpc) goes through host memory
     (as Horovod does without NCCL); ``back`` turns the result into what the caller gets back."""
-    if b.name != "nccl" and _is_device_array(x):
-        from .backends.nccl.buffers import to_host
+    if not b.capabilities.device_arrays and _is_device_array(x):
         return to_host(x)
     return x, _same
 
@@ -106,13 +155,13 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
       PeerLostError: a peer died or its connection broke.
       CollectiveAbortedError: another rank failed and aborted the group.
     """
-    if _is_tf(x):
+    handler = _handler_for(x)
+    if handler is not None:
         if out is not None:
             raise UnsupportedOperationError(f"out= is supported for numpy arrays on the grpc backend, not for "
                                             f"a {type(x).__name__} input (tensors are immutable)",
                                             fix="drop out= and use the returned tensor")
-        from .tf import tensor_ops
-        return tensor_ops.allreduce(x, op, backend=backend, timeout=timeout)
+        return handler.allreduce(x, op, backend=backend, timeout=timeout)
     op = ReduceOp.parse(op)
     arr = _as_array(x, "allreduce")
     _check(arr, op)
@@ -120,7 +169,7 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
     if out is None:
         a, back = _staged(b, arr)
         return back(b.allreduce(a, op, timeout))
-    if (not getattr(b, "supports_out", False) or not isinstance(out, np.ndarray)
+    if (not b.capabilities.out_arrays or not isinstance(out, np.ndarray)
             or not isinstance(arr, np.ndarray)):
         raise UnsupportedOperationError(f"out= is supported for numpy arrays on the grpc backend, not for "
                                         f"a {type(arr).__name__} input and a {type(out).__name__} out= on {b.name}",
@@ -151,9 +200,9 @@ def grouped_allreduce(xs: Sequence, op="sum", *, backend: Optional[str] = None,
       PeerLostError: a peer died or its connection broke.
       CollectiveAbortedError: another rank failed and aborted the group.
     """
-    if xs and _is_tf(xs[0]):
-        from .tf import tensor_ops
-        return tensor_ops.grouped_allreduce(list(xs), op, backend=backend, timeout=timeout)
+    handler = _handler_for(xs[0]) if xs else None
+    if handler is not None:
+        return handler.grouped_allreduce(list(xs), op, backend=backend, timeout=timeout)
     op = ReduceOp.parse(op)
     arrs = [_as_array(x, "grouped_allreduce") for x in xs]
     if not arrs:
@@ -185,9 +234,9 @@ def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: 
       PeerLostError: a peer died or its connection broke.
       CollectiveAbortedError: another rank failed and aborted the group.
     """
-    if _is_tf(x):
-        from .tf import tensor_ops
-        return tensor_ops.broadcast(x, root_rank, backend=backend, timeout=timeout)
+    handler = _handler_for(x)
+    if handler is not None:
+        return handler.broadcast(x, root_rank, backend=backend, timeout=timeout)
     root = _check_root(root_rank)
     arr = _as_array(x, "broadcast")
     _check(arr)
@@ -248,9 +297,9 @@ def allgather(x, *, backend: Optional[str] = None, timeout: Optional[float] = No
       PeerLostError: a peer died or its connection broke.
       CollectiveAbortedError: another rank failed and aborted the group.
     """
-    if _is_tf(x):
-        from .tf import tensor_ops
-        return tensor_ops.allgather(x, backend=backend, timeout=timeout)
+    handler = _handler_for(x)
+    if handler is not None:
+        return handler.allgather(x, backend=backend, timeout=timeout)
     arr = _as_array(x, "allgather")
     _check(arr)
     b = _backend(backend, arr)
@@ -281,9 +330,9 @@ def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optio
       PeerLostError: a peer died or its connection broke.
       CollectiveAbortedError: another rank failed and aborted the group.
     """
-    if _is_tf(x):
-        from .tf import tensor_ops
-        return tensor_ops.reduce_scatter(x, op, backend=backend, timeout=timeout)
+    handler = _handler_for(x)
+    if handler is not None:
+        return handler.reduce_scatter(x, op, backend=backend, timeout=timeout)
     op = ReduceOp.parse(op)
     arr = _as_array(x, "reduce_scatter")
     _check(arr, op)

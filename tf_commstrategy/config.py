@@ -26,6 +26,7 @@ MAX_CHUNK_BYTES = 128 << 20  # a chunk and its frame header must fit one gRPC me
 DEFAULT_SMALL_BYTES = 0            # all-reduce by all-gather up to this many bytes x (size - 1) (TFCS_SMALL_ALLREDUCE_BYTES) ...
 DEFAULT_SHM_SMALL_BYTES = 64 << 10  # ... when every ring link is shared memory (measured: 8 B, 4 ranks: 381 -> 220 us)
 DEFAULT_BACKEND = "auto"
+GONE_GRACE_S = 0.5  # a peer that fails reports why within this of its connection closing: wait for the report
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # a silent ring neighbour is declared lost after this long (0: off)
 DEFAULT_TF_THREADS = "auto"         # TF pool sizes: cores // local workers when several share a host
 DEFAULT_SHM_FUSION_BYTES = 8 << 20  # each rank's shared all-reduce buffer when the whole job is on one host

@@ -8,7 +8,7 @@ import threading
 from typing import Optional
 
 from . import backends as _backends  # noqa: F401  (registers the shipped backends)
-from .core.process_group import GroupSettings, ProcessGroup
+from .process_group import GroupSettings, ProcessGroup
 from .errors import ConfigurationError, NotInitializedError
 from .rendezvous.cluster_env import resolve_cluster
 

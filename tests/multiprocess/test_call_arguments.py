@@ -82,27 +82,6 @@ def test_out_with_a_tensor_is_refused_not_ignored():
     np.testing.assert_array_equal(target, np.full(3, -1.0, np.float32))
 
 
-def small_split_worker(rank, size):
-    from tf_commstrategy.core.reduce_ops import ReduceOp
-    from tf_commstrategy.process import default_group
-    import tf_commstrategy as tfcs
-    tfcs.init()
-    b = default_group().backend("grpc")
-    # small enough for the paths that concatenate first: the same 10 elements, cut differently
-    parts = [np.ones(3, np.float32), np.ones(7, np.float32)] if rank == 0 else [np.ones(7, np.float32),
-                                                                                  np.ones(3, np.float32)]
-    b.allreduce_many(parts, ReduceOp.SUM, timeout=20)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("env", [{}, {"TFCS_TRANSPORT": "unix"}])
-def test_a_small_allreduce_many_cut_differently_is_a_mismatch(env):
-    out = run_workers(small_split_worker, 2, timeout=90, env=env, expect_failure=True)
-    kinds = {r: v[1][0] for r, v in out.items() if v[0] == "error"}
-    assert kinds and set(kinds.values()) <= {"CollectiveMismatchError", "CollectiveAbortedError"}, out
-    assert "CollectiveMismatchError" in kinds.values(), kinds
-
-
 def small_vs_large_worker(rank, size):
     from tf_commstrategy.errors import CollectiveMismatchError
     import tf_commstrategy as tfcs

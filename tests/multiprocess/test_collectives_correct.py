@@ -82,7 +82,7 @@ def matrix_worker(rank, size, seed):
     if size == 1:
         return report, 0
     from tf_commstrategy.process import default_group
-    return report, default_group().backend("grpc").stats()["cma_allreduces"]
+    return report, default_group().backend("grpc").stats().cma_allreduces
 
 
 # Every data path: shared all-reduce buffers (the default when the job is on one host; whole and in
@@ -204,7 +204,7 @@ def _which_transport(rank, size):
     import tf_commstrategy as tfcs
     from tf_commstrategy.process import default_group
     tfcs.init()
-    return default_group().backend("grpc").stats()["transport"]
+    return default_group().backend("grpc").stats().transport
 
 
 @pytest.mark.parametrize("requested,expected", [("auto", "shm"), ("shm", "shm"), ("unix", "unix"), ("grpc", "grpc"),

@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import (allreduce_until_killed, cross_memory_max_ranks, leaked_shm_segments, rank_values,
                            reduced_reference, refill_and_allreduce, run_workers)
 from tf_commstrategy.backends.grpc import shm_cma as M_cma
-from tf_commstrategy.backends.grpc import shm_memory as M
+from tf_commstrategy.core import shared_memory as M
 
 pytestmark = pytest.mark.skipif(M.available() is not None, reason=f"no shared memory here: {M.available()}")
 MAX_RANKS = cross_memory_max_ranks()
@@ -40,7 +40,7 @@ def _reference(size, op, dtype, n):
 
 def _counted(b):
     s = b.stats()
-    return s["cma_allreduces"], s["direct_allreduces"]
+    return s.cma_allreduces, s.direct_allreduces
 
 
 def _each_op(rank, size):
@@ -48,7 +48,7 @@ def _each_op(rank, size):
     from tf_commstrategy.process import default_group
     tfcs.init(transport="shm", timeout=60)
     b = default_group().backend("grpc")
-    out = {"threshold": b.stats()["cross_memory_bytes"]}
+    out = {"threshold": b.stats().cross_memory_bytes}
     for op, dtype in CASES:
         x = _values(rank, dtype, N)
         y = x.copy()
@@ -137,7 +137,7 @@ def _agreement(rank, size, how):
     tfcs.allreduce(y, out=y)
     z = np.full(1 << 20, rank + 1.0, np.float32)  # 4 MiB
     tfcs.allreduce(z, out=z)
-    return float(y.min()), float(y.max()), float(z.min()), b.stats()["cross_memory_bytes"], _counted(b)
+    return float(y.min()), float(y.max()), float(z.min()), b.stats().cross_memory_bytes, _counted(b)
 
 
 @pytest.mark.timeout(200)

@@ -139,7 +139,7 @@ def _per_call(rank, size):
     native = strategy.extended._native  # on one host the grpc backend's all-reduces run as a compiled op
 
     def grpc_calls():  # collectives on the grpc backend: its Python calls and its compiled ones
-        return grpc.stats()["seq"] + (native.calls() if native is not None else 0)
+        return grpc.stats().collectives + (native.calls() if native is not None else 0)
     CO = tf.distribute.experimental.CommunicationOptions
     Impl = tf.distribute.experimental.CommunicationImplementation
     x = tf.constant([float(rank + 1)])

@@ -123,7 +123,7 @@ def _collectives_per_step(tfcs, strategy, m, ds):
     native = strategy.extended._native
 
     def count():
-        return backend.stats()["seq"] + (native.calls() if native is not None else 0)
+        return backend.stats().collectives + (native.calls() if native is not None else 0)
     m.fit(ds.repeat(), epochs=1, steps_per_epoch=2, verbose=0)
     counts = []
     for steps in (4, 8):

@@ -304,10 +304,10 @@ def test_a_child_holding_the_output_pipe_does_not_delay_the_exit(tmp_path):
 
 def test_segments_of_a_worker_behind_a_shell_are_removed(tmp_path):
     # the worker is a shell running python: the segment carries python's pid, not the worker's
-    from tf_commstrategy.backends.grpc.shm_memory import SHM_DIR
+    from tf_commstrategy.core.shared_memory import SHM_DIR
     s = _script(tmp_path, """
         import os, signal
-        from tf_commstrategy.backends.grpc.shm_memory import Segment
+        from tf_commstrategy.core.shared_memory import Segment
         seg = Segment.create(4096, "launchertest")
         print(os.path.basename(seg.path), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)  # dies before anyone unlinks it

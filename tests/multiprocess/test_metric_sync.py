@@ -26,10 +26,8 @@ def _model(keras, custom=False):
     return m
 
 
-def _fit(rank, size, distributed, custom=False, in_place=False):
+def _fit(rank, size, distributed, custom=False):
     tf = W.setup_tf(1)
-    from tf_commstrategy.tf import cross_device_ops
-    cross_device_ops._HOST_IN_PLACE = in_place  # gradients handed over unconcatenated (allreduce_many)
     import tf_keras as keras
     if distributed:
         import tf_commstrategy as tfcs
@@ -51,7 +49,7 @@ def _fit(rank, size, distributed, custom=False, in_place=False):
         out["native"] = native is not None
 
         def collectives():
-            return backend.stats()["seq"] + (native.calls() if native is not None else 0)
+            return backend.stats().collectives + (native.calls() if native is not None else 0)
         counts = []
         m.fit(ds.repeat(), epochs=1, steps_per_epoch=STEPS, verbose=0)
         for steps in (STEPS, 2 * STEPS):
@@ -60,8 +58,8 @@ def _fit(rank, size, distributed, custom=False, in_place=False):
             counts.append(collectives() - before)
         out["per_step"] = (counts[1] - counts[0]) / STEPS
         # one stateful graph op per collective (numpy_function: PyFunc; py_function: EagerPyFunc; the compiled
-        # all-reduce: TfcsShmAllReduce); the gradients concatenated and split around a callback, or (in_place,
-        # and always for the compiled op) handed over as they are
+        # all-reduce: TfcsShmAllReduce); the gradients concatenated and split around a callback, or (the
+        # compiled op) handed over as they are
         graphs = []
         for f in m.train_tf_function._list_all_concrete_functions():  # pylint: disable=protected-access
             ops = [op.type for op in f.graph.get_operations()]
@@ -81,12 +79,11 @@ def reference():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("custom,in_place,native", [(False, False, "1"), (True, False, "1"), (False, False, "0"),
-                                                    (True, False, "0"), (False, True, "0")])
-def test_metric_reads_share_one_collective_and_stay_global(reference, custom, in_place, native):
+@pytest.mark.parametrize("custom,native", [(False, "1"), (True, "1"), (False, "0"), (True, "0")])
+def test_metric_reads_share_one_collective_and_stay_global(reference, custom, native):
     if native == "1" and shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler: the compiled all-reduce cannot be built here")
-    res = run_workers(_fit, 2, True, custom, in_place, timeout=300, env={"TFCS_NATIVE": native})
+    res = run_workers(_fit, 2, True, custom, timeout=300, env={"TFCS_NATIVE": native})
     for r in res:
         assert r["native"] == (native == "1")
         # default train step: the 6 metric variables (loss, accuracy and top2: total and count each) ride
@@ -96,7 +93,7 @@ def test_metric_reads_share_one_collective_and_stay_global(reference, custom, in
             assert g["callbacks"] == (2 if custom else 1) and g["PyFuncStateless"] == 0, r["graphs"]
             if native == "1":
                 assert g["TfcsShmAllReduce"] == g["callbacks"], r["graphs"]
-            if in_place or native == "1":
+            if native == "1":
                 assert g["ConcatV2"] == g["SplitV"] == g["Split"] == 0, r["graphs"]
             else:
                 assert g["ConcatV2"] >= 1 and g["SplitV"] >= 1, r["graphs"]

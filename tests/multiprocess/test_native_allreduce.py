@@ -194,11 +194,11 @@ def test_a_killed_rank_is_a_peer_lost_error_within_a_second_or_so():
 
 def _after_shutdown(rank, size):
     tf, tfcs = _tf()
-    from tf_commstrategy.backends.grpc import shm_memory
+    from tf_commstrategy.core import shared_memory
     s = tfcs.CommStrategy()
     step = _sum_step(tf, s)
     first = float(step(tf.ones([3])).numpy()[0])
-    left = [n for n in os.listdir(shm_memory.SHM_DIR) if "-native-" in n and n.startswith("tfcs-shm-")]
+    left = [n for n in os.listdir(shared_memory.SHM_DIR) if "-native-" in n and n.startswith("tfcs-shm-")]
     tfcs.shutdown()
     try:
         with tfcs.unwrap_errors():

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import (allreduce_until_killed, leaked_shm_segments, rank_values, reduced_reference,
                            refill_and_allreduce, run_workers)
-from tf_commstrategy.backends.grpc import shm_memory as M
+from tf_commstrategy.core import shared_memory as M
 from tf_commstrategy.backends.grpc.backend import DIRECT_ABOVE_BYTES
 
 pytestmark = pytest.mark.skipif(M.available() is not None, reason=f"no shared memory here: {M.available()}")
@@ -28,7 +28,7 @@ def _reference(size, op, dtype, n):
 
 
 def _direct(b):
-    return b.stats()["direct_allreduces"]
+    return b.stats().direct_allreduces
 
 
 def _each_op(rank, size):
@@ -105,7 +105,7 @@ def test_in_place_allreduce_of_shared_arrays_matches_numpy_and_reads_the_peers_d
         # the out-of-place, mixed, offset and small calls took the usual paths
         assert out["after"] == len(CASES) + 1
         np.testing.assert_allclose(out["grouped"][0], f32, rtol=1e-5, atol=1e-5)
-        assert out["stats"]["shared_arrays"] is True
+        assert out["stats"].shared_arrays is True
 
 
 def _repeated_with_new_values(rank, size, calls):
@@ -128,23 +128,23 @@ def test_back_to_back_direct_allreduces_with_new_values_keep_every_call_apart(si
 
 def _without_shared_memory(rank, size, how):
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import shm_memory
+    from tf_commstrategy.core import shared_memory
     from tf_commstrategy.process import default_group
     if how == "full" and rank == 1:  # this rank's /dev/shm cannot hold the array
         import errno
-        create = shm_memory.Segment.create
+        create = shared_memory.Segment.create
 
         def full(size_, kind):
             if kind == "shared":
                 raise OSError(errno.ENOSPC, "No space left on device")
             return create(size_, kind)
-        shm_memory.Segment.create = staticmethod(full)
+        shared_memory.Segment.create = staticmethod(full)
     tfcs.init(transport="unix" if how == "unix" else "shm", timeout=60)
     b = default_group().backend("grpc")
     a = tfcs.shared_empty((N,), np.float32)
     a[:] = rank + 1
     tfcs.allreduce(a, out=a)
-    return (float(a.min()), float(a.max()), b.stats()["shared_arrays"], _direct(b), a.flags.writeable,
+    return (float(a.min()), float(a.max()), b.stats().shared_arrays, _direct(b), a.flags.writeable,
             len([f for f in open("/proc/self/maps") if "-shared-" in f]))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import leaked_shm_segments, run_workers
-from tf_commstrategy.backends.grpc import shm_memory as M
+from tf_commstrategy.core import shared_memory as M
 
 pytestmark = pytest.mark.skipif(M.available() is not None, reason=f"no shared memory here: {M.available()}")
 
@@ -20,7 +20,8 @@ def _small_shm(rank, size, only_kind=None):
     import time
     import logging
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import shm_memory, shm_transport
+    from tf_commstrategy.backends.grpc import shm_transport
+    from tf_commstrategy.core import shared_memory
     from tf_commstrategy.process import default_group
     warnings, reports = [], []
 
@@ -33,25 +34,25 @@ def _small_shm(rank, size, only_kind=None):
     logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.INFO))
     logging.getLogger("tf_commstrategy").setLevel(logging.INFO)
     if rank == 1:  # as if this rank's /dev/shm were full (a container's 64 MiB default, say)
-        create = shm_memory.Segment.create
+        create = shared_memory.Segment.create
 
         def full(size, kind):
             if only_kind is None or kind == only_kind:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return create(size, kind)
-        shm_memory.Segment.create = staticmethod(full)
+        shared_memory.Segment.create = staticmethod(full)
     if rank == 2 and only_kind is not None:  # the last rank maps the others' buffers late: they must wait for it
-        attach = shm_memory.Segment.attach
+        attach = shared_memory.Segment.attach
 
         def late(path):
             time.sleep(0.5)
             return attach(path)
-        shm_memory.Segment.attach = staticmethod(late)
+        shared_memory.Segment.attach = staticmethod(late)
     tfcs.init()
     got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
     b = default_group().backend("grpc")
     return (b.transport, isinstance(b._ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(), warnings,
-            b.stats()["allreduce"], reports)
+            b.stats().allreduce_path, reports)
 
 
 def test_too_small_dev_shm_falls_back_to_unix_sockets_with_one_warning_per_job():
@@ -91,7 +92,8 @@ def _no_bell_mapping(rank, size):
     import errno
     import logging
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import shm_memory, shm_transport
+    from tf_commstrategy.backends.grpc import shm_transport
+    from tf_commstrategy.core import shared_memory
     from tf_commstrategy.process import default_group
     warnings = []
 
@@ -100,13 +102,13 @@ def _no_bell_mapping(rank, size):
             warnings.append(record.getMessage())
     logging.getLogger("tf_commstrategy").addHandler(Grab(level=logging.WARNING))
     if rank == 1:  # this rank maps its neighbours' rings but not their bells (out of mappings, say)
-        attach = shm_memory.Segment.attach
+        attach = shared_memory.Segment.attach
 
         def no_bells(path):
             if "-bell-" in os.path.basename(path):
                 raise OSError(errno.ENOMEM, "Cannot allocate memory")
             return attach(path)
-        shm_memory.Segment.attach = staticmethod(no_bells)
+        shared_memory.Segment.attach = staticmethod(no_bells)
     tfcs.init(transport="shm", timeout=30)
     got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
     b = default_group().backend("grpc")
@@ -242,7 +244,7 @@ def _drifting_small_allreduces(rank, size, calls):
         want = sum(r * 1000 + i for r in range(size))
         if not np.all(got == want):
             wrong.append((i, n, float(got[0]), float(want)))
-    return wrong, default_group().backend("grpc").stats()["allreduce"]
+    return wrong, default_group().backend("grpc").stats().allreduce_path
 
 
 @pytest.mark.parametrize("size,path", [(4, "shm-buffers"), (2, "ring (small: shm-buffers)")])

@@ -46,8 +46,8 @@ def _stress(rank, size):
 def test_ten_thousand_small_and_fifty_large_collectives():
     for wrong, mixed_wrong, (rss10, rss49), stats in run_workers(_stress, 2, timeout=280):
         assert wrong == 0 and mixed_wrong == 0
-        assert stats["pending_messages"] == 0  # nothing left behind in the mailbox
-        assert stats["seq"] >= 10_050
+        assert stats.pending_messages == 0  # nothing left behind in the mailbox
+        assert stats.collectives >= 10_050
         assert rss49 - rss10 < 64, f"RSS grew from {rss10:.0f} to {rss49:.0f} MiB"
 
 

@@ -99,7 +99,7 @@ def test_tls_settings_errors(tmp_path):
     for spelling in ("tcp", "TCP", " tcp "):  # any spelling the ring accepts as tcp is refused under TLS
         with pytest.raises(tfcs.ConfigurationError, match="unencrypted"):
             tfcs.init(rank=0, world_size=1, transport=spelling, tls_cert=c["cert"], tls_key=c["key"], tls_ca=c["ca"])
-    from tf_commstrategy.core.process_group import GroupSettings, ProcessGroup
+    from tf_commstrategy.process_group import GroupSettings, ProcessGroup
     from tf_commstrategy.rendezvous.cluster_env import ClusterSpec
     spec = ClusterSpec(0, 1, 0, None, "")
     with pytest.raises(tfcs.ConfigurationError, match="unencrypted"):  # TFCS_TRANSPORT too

@@ -33,7 +33,7 @@ import textwrap
 import time
 from typing import Dict, List, Optional, Sequence
 
-from tf_commstrategy.backends.grpc.shm_memory import pid_alive
+from tf_commstrategy.core.shared_memory import pid_alive
 
 PREFIX = "tfcs-"
 _counter = itertools.count()

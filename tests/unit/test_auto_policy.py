@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from tf_commstrategy.core.auto import device_type, is_gpu_buffer
+from tf_commstrategy.core.device_arrays import device_type, is_gpu_buffer
 
 
 @pytest.mark.parametrize("device,kind", [

@@ -39,7 +39,7 @@ def test_unset_or_empty_gives_the_default():
 def test_a_ring_chunk_outside_its_limits_is_refused_before_the_rendezvous(chunk):
     """A chunk over one gRPC message (TFCS_CHUNK_BYTES=2G) used to fail the first collective with a
     frame-size error that asked for a bug report."""
-    from tf_commstrategy.core.process_group import GroupSettings, ProcessGroup
+    from tf_commstrategy.process_group import GroupSettings, ProcessGroup
     from tf_commstrategy.rendezvous.cluster_env import ClusterSpec
     settings = GroupSettings.resolve(ClusterSpec(0, 2, 0, "127.0.0.1:1", ""), chunk_bytes=chunk, rendezvous_timeout=2,
                                       environ={})

@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from tf_commstrategy import config
 from tf_commstrategy.backends.grpc import socket_transport as S
 from tf_commstrategy.errors import PeerLostError
 
@@ -141,13 +142,13 @@ def test_a_broken_outbound_waits_for_the_failure_another_rank_reports(monkeypatc
     real = PeerLostError("rank 2 was lost (reported by rank 1)", rank=0, peer_rank=2)
     threading.Timer(0.1, lambda: b.mailbox.fail(real, remote=True)).start()
     with monkeypatch.context() as m:  # a report 0.1 s later is waited for (a long grace: no CPU race)
-        m.setattr(wire, "GONE_GRACE_S", 5.0)
+        m.setattr(config, "GONE_GRACE_S", 5.0)
         assert b._reported_cause(e.value) is real
     b2 = object.__new__(GrpcRingBackend)
     b2.mailbox = wire.Mailbox()
     t0 = time.monotonic()
     assert b2._reported_cause(e.value) is e.value  # nobody reports: the neighbour is blamed
-    assert time.monotonic() - t0 >= wire.GONE_GRACE_S * 0.9
+    assert time.monotonic() - t0 >= config.GONE_GRACE_S * 0.9
 
 
 @pytest.mark.parametrize("server", ["hangs-up", "absent"])

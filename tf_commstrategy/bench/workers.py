@@ -131,15 +131,17 @@ class TfcsSession(Session):
     def close(self):
         self.tfcs.barrier()
         from tf_commstrategy.process import default_group
-        stats = {} if self.on_gpu else default_group().backend("grpc").stats()
-        info = {"transport": "nccl" if self.on_gpu else stats["transport"],
-                "allreduce": stats.get("allreduce", "nccl"),
-                # "shared": all-reduces above DIRECT_ABOVE_BYTES read the peers' shared arrays
-                "buffers": "shared" if stats.get("direct_allreduces") else "private",
-                "direct_allreduces": stats.get("direct_allreduces", 0),
-                # all-reduces of at least cross_memory_bytes read the peers' private arrays (process_vm_readv)
-                "cross_memory_bytes": stats.get("cross_memory_bytes", 0),
-                "cma_allreduces": stats.get("cma_allreduces", 0)}
+        if self.on_gpu:
+            info = {"transport": "nccl", "allreduce": "nccl", "buffers": "private", "direct_allreduces": 0,
+                    "cross_memory_bytes": 0, "cma_allreduces": 0}
+        else:
+            stats = default_group().backend("grpc").stats()
+            info = {"transport": stats.transport, "allreduce": stats.allreduce_path,
+                    # "shared": all-reduces above DIRECT_ABOVE_BYTES read the peers' shared arrays
+                    "buffers": "shared" if stats.direct_allreduces else "private",
+                    "direct_allreduces": stats.direct_allreduces,
+                    # all-reduces of at least cross_memory_bytes read the peers' private arrays (process_vm_readv)
+                    "cross_memory_bytes": stats.cross_memory_bytes, "cma_allreduces": stats.cma_allreduces}
         self.tfcs.shutdown()
         return info
 

@@ -9,10 +9,93 @@ and the direct API check arguments, backends do the moving.
 from __future__ import annotations
 
 import abc
-from typing import Callable, Dict, List, Optional, Sequence
+import dataclasses
+from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
-from ..errors import BackendUnavailableError, ConfigurationError
+from ..errors import BackendUnavailableError, CollectiveMismatchError, ConfigurationError
 from .reduce_ops import ReduceOp
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond the interface every backend implements; callers read these
+    instead of probing for methods.
+
+    Attributes:
+      out_arrays: ``allreduce(buf, op, timeout, out=array)`` writes the result into ``array``
+        (numpy, C-contiguous, ``buf``'s shape and dtype; ``out=buf`` reduces in place).
+      shared_arrays: ``shared_empty(shape, dtype, timeout)`` gives arrays the host's ranks share.
+      device_arrays: the backend moves GPU memory (cupy arrays, DLPack producers), not host memory.
+    """
+
+    out_arrays: bool = False
+    shared_arrays: bool = False
+    device_arrays: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendStats:
+    """What a backend has done since it was built; backends may return a subclass with more fields.
+
+    Attributes:
+      collectives: the collectives this rank has issued on the backend.
+    """
+
+    collectives: int = 0
+
+
+class CollectiveWatch(Protocol):
+    """A layer above with collectives of its own that do not go through the backends (the TF layer's
+    compiled all-reduce), told when this rank is inside a backend collective
+    (``ProcessGroup.add_collective_watch``)."""
+
+    def python_enter(self) -> None:
+        """This rank enters a backend collective."""
+
+    def python_leave(self) -> None:
+        """This rank left it."""
+
+    def python_problem(self, seq: int, sig: str) -> Optional[CollectiveMismatchError]:
+        """While this rank waits in backend collective ``seq`` [``sig``]: the error to raise when the
+        ranks called different collectives (a peer waits in one of the layer's own), or None."""
+
+
+class Group(Protocol):
+    """What a backend uses of the process group that builds it (``ProcessGroup`` is one).
+
+    Attributes:
+      rank, size: this process's rank and the job's size.
+      workers: every rank's published ``WorkerInfo`` (host, addresses, pid, shared-memory key), in rank order.
+      store: the job's key-value store (``set``, ``get``, ``add``, ``barrier``), over the control plane.
+      timeout: the default deadline of a collective, in seconds.
+      rendezvous_timeout: the deadline of setup steps, in seconds.
+      chunk_bytes: the ring's chunk size (None: chosen per transport).
+      transport: the data path asked for ("auto", "shm", "unix", "tcp", "grpc").
+      token: the job's shared secret (None: none configured).
+      tls: the TLS settings (None: plaintext control plane).
+      collective_watches: the layers told of this rank's backend collectives.
+    """
+
+    rank: int
+    size: int
+    workers: Sequence
+    store: object
+    timeout: float
+    rendezvous_timeout: float
+    chunk_bytes: Optional[int]
+    transport: str
+    token: Optional[str]
+    tls: object
+    collective_watches: Sequence[CollectiveWatch]
+
+    def failed(self, error: BaseException) -> None:
+        """A backend reports the error that made it unusable (from any thread)."""
+
+    def layer_failure(self) -> Optional[BaseException]:
+        """The error that made a layer above unusable (its own collectives), or None."""
+
+    def built_backend(self, name: str) -> Optional["Backend"]:
+        """The backend ``name`` if the group has built it, else None (never builds one)."""
 
 
 class Backend(abc.ABC):
@@ -31,9 +114,12 @@ class Backend(abc.ABC):
 
     Attributes:
       name: the registry name ("grpc", "nccl", ...).
+      capabilities: what it can do beyond this interface.
     """
 
     name: str = "?"
+    capabilities: Capabilities = Capabilities()
+    _failed: Optional[BaseException] = None
 
     @abc.abstractmethod
     def allreduce(self, buf, op: ReduceOp, timeout: Optional[float] = None):
@@ -122,18 +208,6 @@ class Backend(abc.ABC):
         from .fusion import fused_broadcast
         return fused_broadcast(self, bufs, root, timeout)
 
-    def batch_allgather(self, bufs: Sequence, timeout: Optional[float] = None) -> List:
-        """All-gather each buffer in turn (one collective per buffer).
-
-        Args:
-          bufs: the buffers, in the same order on every rank.
-          timeout: deadline in seconds for each call (None: the group's).
-
-        Returns:
-          One gathered buffer per input, in order.
-        """
-        return [self.allgather(b, timeout) for b in bufs]
-
     def accepts(self, buf) -> bool:
         """True when this backend can move ``buf`` without a conversion (used by "auto").
 
@@ -145,12 +219,19 @@ class Backend(abc.ABC):
         """
         return True
 
+    def stats(self) -> BackendStats:
+        """What this backend has done so far (a subclass of ``BackendStats`` may say more)."""
+        return BackendStats()
+
+    def quiesce(self) -> None:
+        """Shutdown has begun: peers going away is expected from now on (stop watching them)."""
+
     def close(self) -> None:
         """Release resources; called by ``ProcessGroup.shutdown``."""
 
     def failure(self) -> Optional[BaseException]:
         """The error that made this backend unusable (its own, or one another rank reported), else None."""
-        return getattr(self, "_failed", None)
+        return self._failed
 
     def abort(self, error: BaseException) -> None:
         """Fail every pending and future collective of this backend with ``error``.
@@ -162,17 +243,41 @@ class Backend(abc.ABC):
 
 #: name -> factory(process_group) -> Backend
 _FACTORIES: Dict[str, Callable] = {}
+#: name -> availability() -> None if the backend can run here, else why not
+_AVAILABILITY: Dict[str, Callable[[], Optional[str]]] = {}
 
 
-def register_backend(name: str, factory: Callable) -> None:
+def register_backend(name: str, factory: Callable,
+                     availability: Optional[Callable[[], Optional[str]]] = None) -> None:
     """Register a backend factory under ``name`` (used by grpc and nccl; plugins may add more).
 
     Args:
       name: the name users select it by (``backend=name``, ``TFCS_BACKEND=name``).
       factory: ``factory(process_group) -> Backend``, called once per process group on first use;
         it raises ``BackendUnavailableError`` when the backend cannot run here.
+      availability: ``availability() -> None`` when the backend can run in this process, else the
+        reason it cannot; cheap, no collective (the "auto" policy asks it). None: always available.
     """
     _FACTORIES[name] = factory
+    if availability is not None:
+        _AVAILABILITY[name] = availability
+    else:
+        _AVAILABILITY.pop(name, None)
+
+
+def availability(name: str) -> Optional[str]:
+    """Why backend ``name`` cannot run in this process, or None when it can.
+
+    Args:
+      name: a backend name.
+
+    Returns:
+      None, or the reason (also "not registered" for a name nobody registered).
+    """
+    if name not in _FACTORIES:
+        return f"the {name} backend is not installed"
+    probe = _AVAILABILITY.get(name)
+    return probe() if probe is not None else None
 
 
 def backend_names() -> List[str]:

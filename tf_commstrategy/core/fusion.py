@@ -80,7 +80,7 @@ def fused_allreduce(backend, bufs: Sequence, op, timeout=None) -> List:
     out: List = [None] * len(bufs)
     for _, idxs in group_by_dtype(bufs).items():
         fused = flatten(bufs, idxs)  # a fresh buffer of ours: reduce it in place where the backend can
-        flat = (backend.allreduce(fused, op, timeout, out=fused) if getattr(backend, "supports_out", False)
+        flat = (backend.allreduce(fused, op, timeout, out=fused) if backend.capabilities.out_arrays
                 else backend.allreduce(fused, op, timeout))
         unflatten(flat, bufs, idxs, out)
     return out

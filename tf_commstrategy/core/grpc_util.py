@@ -12,7 +12,6 @@ import concurrent.futures
 import dataclasses
 import hmac
 import logging
-import os
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import grpc
@@ -79,10 +78,6 @@ class TlsConfig:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
                                             certificate_chain=self.cert_pem)
-
-
-def tls_from(env: Optional[Mapping[str, str]] = None) -> Optional[TlsConfig]:
-    return TlsConfig.from_env(os.environ if env is None else env)
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES):

@@ -357,7 +357,7 @@ def _remove_segments_of(pids) -> None:
     window leaves one behind, which is removed here once the job is over (with every other segment of
     this user whose creator is dead)."""
     try:
-        from ..backends.grpc.shm_memory import remove_stale_segments
+        from ..core.shared_memory import remove_stale_segments
         # the workers' own segments, then those of any process that died (a worker behind a shell
         # or a wrapper script creates its segments under its own pid, not the one tfcs-run knows)
         n = remove_stale_segments(only_pids=set(pids)) + remove_stale_segments()

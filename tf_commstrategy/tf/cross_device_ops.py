@@ -6,8 +6,7 @@ Data path of one ``batch_reduce`` (e.g. all gradients of a train step):
 2. across workers: in the graph, the local sums are concatenated into one flat tensor per dtype (cut
    into ``bytes_per_pack`` buckets when asked); ONE stateful ``numpy_function`` runs one all-reduce per
    flat buffer, written straight into the tensors it returns; the results are split and reshaped
-   back in the graph (static shapes kept). (``_HOST_IN_PLACE`` hands host tensors over unconcatenated
-   instead, ``allreduce_many``; measured slower, so off);
+   back in the graph (static shapes kept);
 3. MEAN: with one replica per worker the collective itself averages (each rank divides its own
    segment); with several, the sum is divided by the global replica count. Each result is copied
    to its destination devices.
@@ -27,19 +26,9 @@ from tensorflow.python.distribute import distribute_utils, reduce_util
 from tensorflow.python.distribute import values as value_lib
 from tensorflow.python.framework import indexed_slices
 
-from ..core import fusion
 from ..core.reduce_ops import ReduceOp
-from ..core.spans import Spans
 from . import options as opts
 from . import tensor_ops
-
-
-#: True: host tensors reach the backend as they are (``allreduce_many``: no concat / split in the graph).
-#: Off: measured in one job (benchmarks/fusion_ab.py, reference CNN, 2 workers) it made the step 5-14 %
-#: slower than concat / split in the graph with the result written into the output tensors (TF's concat
-#: and split are cheaper than a graph callback with one input and one output per gradient plus the ring's
-#: extra chunk at each tensor boundary); 3 workers: 0-4 % slower.
-_HOST_IN_PLACE = False
 
 
 def _values(v) -> List:
@@ -214,10 +203,7 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
 
         Each group is concatenated into a flat tensor in the graph, the numpy_function writes each result
         straight into the tensor it returns, and the results are split and reshaped back in the graph.
-        With ``_HOST_IN_PLACE`` host tensors go in and come out as they are instead (the backend's
-        ``allreduce_many`` reads and writes them where they are); measured slower, so off.
         """
-        from .device_path import use_device_path
         backend = self._backend_for(backend, tensors)
         timeout = opts.timeout_of(merged)
         native = self._ext._native
@@ -227,19 +213,6 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         groups = fusion_groups([t.dtype for t in tensors], [_static_nbytes(t) for t in tensors],
                                merged.bytes_per_pack)
         op = ReduceOp.MEAN if mean else ReduceOp.SUM
-        if _HOST_IN_PLACE and not use_device_path(backend, tensors):
-            def call_many(b, arrs, outs):
-                many = getattr(b, "allreduce_many", None)
-                for idxs in groups:
-                    ins, res = [arrs[i] for i in idxs], [outs[i] for i in idxs]
-                    if many is not None:
-                        many(ins, op, timeout, outs=res)
-                    else:  # a backend without it: one flat buffer per group
-                        flat = fusion.flatten(arrs, idxs)
-                        Spans(res).write_from(b.allreduce(flat, op, timeout).reshape(-1), 0, flat.size)
-                return outs
-            return tensor_ops.run_collective(call_many, backend, tensors, [t.dtype for t in tensors],
-                                             [t.shape for t in tensors], name="tfcs_batch_allreduce", into=True)
         flats = []
         for idxs in groups:
             with tf.device(tensors[idxs[0]].device):
@@ -247,7 +220,7 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
                 flats.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
 
         def call(b, arrs, outs=None):
-            if outs is not None and getattr(b, "supports_out", False):
+            if outs is not None and b.capabilities.out_arrays:
                 for a, o in zip(arrs, outs):  # straight into the arrays that become the returned tensors
                     b.allreduce(a, op, timeout, out=o)
                 return outs

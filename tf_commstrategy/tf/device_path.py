@@ -31,7 +31,7 @@ from ..process import default_group
 
 def on_gpu(t) -> bool:
     """True when the tensor's device type is GPU (unknown placement counts as not)."""
-    from ..core.auto import device_type
+    from ..core.device_arrays import device_type
     return device_type(getattr(t, "device", "") or "") == "GPU"
 
 
@@ -76,7 +76,7 @@ def _sync(device: str) -> None:
 def to_cupy(t):
     """A GPU tensor as a cupy array (or ``Bfloat16Array``) sharing its memory (bool: a uint8 copy)."""
     import cupy
-    from ..backends.nccl.buffers import Bfloat16Array
+    from ..core.device_arrays import Bfloat16Array
     if t.dtype == tf.bfloat16:
         return Bfloat16Array(cupy.from_dlpack(tf.experimental.dlpack.to_dlpack(tf.bitcast(t, tf.uint16))))
     if t.dtype == tf.bool:
@@ -86,7 +86,7 @@ def to_cupy(t):
 
 def from_cupy(x, dtype: tf.DType):
     """A cupy array (or ``Bfloat16Array``) as a GPU tensor of ``dtype``, without a copy (bool: a cast)."""
-    from ..backends.nccl.buffers import Bfloat16Array
+    from ..core.device_arrays import Bfloat16Array
     if isinstance(x, Bfloat16Array):
         return tf.bitcast(tf.experimental.dlpack.from_dlpack(x.data.toDlpack()), tf.bfloat16)
     t = tf.experimental.dlpack.from_dlpack(x.toDlpack())

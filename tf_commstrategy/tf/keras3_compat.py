@@ -310,15 +310,13 @@ def backup_restore_begin(original):
             return
         import numpy as np
         from .. import collectives
-        from ..callbacks import logic
         epoch = collectives.broadcast(np.array([self.model._initial_epoch or 0], np.int64), root_rank=0)
         self.model._initial_epoch = int(epoch[0]) or None
         if not self.model._initial_epoch:
             return
         optimizer = self.model.optimizer
         variables = list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
-        values = logic.broadcast_state([np.asarray(v.numpy()) for v in variables], 0,
-                                       lambda arrs, root: collectives.grouped_broadcast(arrs, root_rank=root))
+        values = collectives.grouped_broadcast([np.asarray(v.numpy()) for v in variables], root_rank=0)
         for v, value in zip(variables, values):
             v.assign(value)
     return wrapper

@@ -13,7 +13,7 @@ transport), the job did not ask for another transport (``tcp``, ``unix``, ``grpc
 (``native_build``), and the segment can be made. Every rank says whether it can, and the op is used
 only if all can: a collective step, taken when the first ``CommStrategy`` of a process group is made.
 
-The segment: created by rank 0 (mode 0600, an unguessable name, ``shm_memory.Segment``), its name
+The segment: created by rank 0 (mode 0600, an unguessable name, ``shared_memory.Segment``), its name
 sent over the authenticated store, mapped by every rank, and unlinked by rank 0 once all have mapped
 it. A graph keeps the mapping's address, so the mapping is never unmapped while the process lives: at
 shutdown this rank marks itself gone in the segment (peers waiting for it fail at once) and swaps its
@@ -159,24 +159,24 @@ class NativeAllReduce:
     @staticmethod
     def _map_segment(group, prefix: str):
         """Rank 0 makes the segment, every rank maps it, rank 0 unlinks it: (segment, []) or (None, why)."""
-        from ..backends.grpc import shm_memory
+        from ..core import shared_memory
         store, rank, size, t = group.store, group.rank, group.size, group.rendezvous_timeout
         nbytes = _header_bytes(size) + size * 2 * SLOT_BYTES
         seg, why = None, ""
         try:
             if rank == 0:
                 try:
-                    seg = shm_memory.Segment.create(nbytes, "native")
+                    seg = shared_memory.Segment.create(nbytes, "native")
                     store.set(f"{prefix}/seg", seg.path)
                 except OSError as e:
-                    why = (f"cannot reserve {nbytes >> 20} MiB in {shm_memory.SHM_DIR} ({e}; "
-                           f"{shm_memory.free_mib()} MiB free)")
+                    why = (f"cannot reserve {nbytes >> 20} MiB in {shared_memory.SHM_DIR} ({e}; "
+                           f"{shared_memory.free_mib()} MiB free)")
                     store.set(f"{prefix}/seg", "")
             else:
                 path = store.get(f"{prefix}/seg", t)
                 if path:
                     try:
-                        seg = shm_memory.Segment.attach(path)
+                        seg = shared_memory.Segment.attach(path)
                     except OSError as e:
                         why = f"cannot map {path} ({e})"
                 else:

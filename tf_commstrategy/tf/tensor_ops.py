@@ -153,10 +153,6 @@ def new_host_tensor(shape, dtype: tf.DType):
     return (t, view) if _outputs_share_memory else None
 
 
-#: graph callbacks through tf.numpy_function (else tf.py_function; read when a function is traced)
-_NUMPY_FUNCTION = True
-
-
 def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     """An uninitialized array whose data starts on an ``align``-byte boundary: TensorFlow takes a
     numpy result that is aligned as its tensor's memory, and copies one that is not."""
@@ -232,11 +228,7 @@ def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Seque
         return call
 
     with tf.device(HOST):
-        if _NUMPY_FUNCTION:
-            outs = tf.numpy_function(recording(run_arrays), list(tensors), list(out_dtypes), stateful=True,
-                                     name=name)
-        else:
-            outs = tf.py_function(recording(run), list(tensors), list(out_dtypes), name=name)
+        outs = tf.numpy_function(recording(run_arrays), list(tensors), list(out_dtypes), stateful=True, name=name)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     for o, s in zip(outs, out_shapes):
@@ -267,6 +259,11 @@ def run_collective(call: Callable, backend: Optional[str], tensors: Sequence[tf.
 
 def _tensor(x):
     return tf.convert_to_tensor(x)
+
+
+def accepts(x) -> bool:
+    """True for TensorFlow's tensors and variables (the direct API hands them to this module)."""
+    return type(x).__module__.startswith("tensorflow")
 
 
 def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):

@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
-import zlib
 from typing import List, Optional, Tuple
 
 import numpy as np
 
 from ... import config
-from ...core import ring
-from ...core.backend import Backend, register_backend
+from ...core import ring, shared_memory
+from ...core.backend import Backend, BackendStats, Capabilities, register_backend
 from ...core.reduce_ops import ReduceOp, finish_mean, needs_wide_accumulator
-from ...core.spans import Spans
 from ...rendezvous.cluster_env import join_host_port
 from ...errors import CollectiveAbortedError, CollectiveError, PeerLostError, TfcsError, UnsupportedOperationError
-from . import (links, liveness, setup_report, shm_cma, shm_fusion, shm_memory, shm_shared, socket_transport, transport,
+from . import (links, liveness, setup_report, shm_cma, shm_fusion, shm_shared, socket_transport, transport,
                wire)
 from .ring_link import SINGLE, CollectiveLink
 
 log = logging.getLogger("tf_commstrategy")
 
-#: allreduce_many on the ring: arrays smaller than this are packed into one (each would cost a frame per step)
-PACK_BELOW_BYTES = 256 << 10
 #: in a job holding shared arrays, in-place all-reduces of more than this many bytes try the direct path
 #: (smaller ones take the one-round path of the shared all-reduce buffers, which is faster there). 2 ranks:
 #: 8 B 35 us direct, 29 us one-round; 16 KiB 37 vs 34; 64 KiB 41 vs 43; 256 KiB 58 us direct, 90 us ring.
@@ -35,10 +32,37 @@ DIRECT_ABOVE_BYTES = 64 << 10
 DIRECT_FLAGS_BYTES = 4096
 
 
+@dataclasses.dataclass(frozen=True)
+class HostStats(BackendStats):
+    """What the host backend has done, and which paths it took.
+
+    Attributes:
+      pending_messages: frames received for collectives this rank has not entered yet.
+      busy_s: seconds spent inside collectives.
+      transport: the ring's data path ("shm", "unix", "tcp", "grpc", or a mix such as "shm+tcp").
+      allreduce_path: the path of a large all-reduce: "ring", "hierarchical", "shm-buffers" (3+ ranks
+        on one host), "ring (small: shm-buffers)" (2 ranks on one host: small ones take the buffers).
+      shared_arrays: whether this rank holds arrays of ``shared_empty`` now.
+      direct_allreduces: in-place all-reduces of shared arrays that read the peers' arrays where they are.
+      cma_allreduces: all-reduces that read the peers' private arrays by cross-memory reads.
+      cross_memory_bytes: the size from which all-reduces read the peers' arrays (0: never).
+    """
+
+    pending_messages: int = 0
+    busy_s: float = 0.0
+    transport: str = ""
+    allreduce_path: str = ""
+    shared_arrays: bool = False
+    direct_allreduces: int = 0
+    cma_allreduces: int = 0
+    cross_memory_bytes: int = 0
+
+
 class GrpcRingBackend(Backend):
     """Ring collectives over gRPC. One instance per process group."""
 
     name = "grpc"
+    capabilities = Capabilities(out_arrays=True, shared_arrays=True)
 
     def __init__(self, group):
         self.group = group
@@ -50,7 +74,7 @@ class GrpcRingBackend(Backend):
             self.chunk_bytes = self.chunk_bytes or config.DEFAULT_CHUNK_BYTES
             self.small_bytes = self.small_bytes or 0
         self.mailbox = wire.Mailbox()
-        self.mailbox.on_fail = getattr(group, "failed", None)  # layers above learn of the group's failure
+        self.mailbox.on_fail = group.failed  # layers above learn of the group's failure
         self.mailbox.on_reject = lambda what: log.warning(
             "tf_commstrategy rank %d: dropped a data frame that names no current collective (%s); further "
             "ones are not logged", self.rank, what)
@@ -124,7 +148,7 @@ class GrpcRingBackend(Backend):
             # measured 4 MiB: 0.48-0.64 ms ring, 0.69-0.81 ms buffers); with 4 ranks the buffers win at
             # every size (2.31 vs 2.68 ms at 4 MiB). From 4 MiB, at any world size, cross-memory reads of
             # the peers' arrays beat both where the kernel allows them (_setup_cma)
-            spin = shm_memory.spin_seconds(self.size)
+            spin = shared_memory.spin_seconds(self.size)
             links_problem = self._ring.shm_problem()
             fusion_bytes = config.shm_fusion_bytes_from_env()
             if self.size == 2:  # only the one-round path's two slots are used
@@ -306,7 +330,7 @@ class GrpcRingBackend(Backend):
         timeout = config.call_timeout(timeout, self.group.timeout, self.rank)
         with self._lock:
             if self._failed is None:  # a layer above whose own collectives failed (the compiled all-reduce)
-                above = getattr(self.group, "layer_failure", lambda: None)()
+                above = self.group.layer_failure()
                 if above is not None:
                     self._fail(above, notify_peers=True)
             if self._failed is not None:
@@ -322,7 +346,7 @@ class GrpcRingBackend(Backend):
             link = CollectiveLink(self, self._ring, seq, sig, t0 + timeout, timeout)
             if self._direct is not None:  # the fusion buffers' flags, when there are any
                 self._direct.enter(seq, sig)
-            watches = getattr(self.group, "collective_watches", ())
+            watches = self.group.collective_watches
             for w in watches:
                 w.python_enter()
             try:
@@ -348,9 +372,9 @@ class GrpcRingBackend(Backend):
                 self._busy_s += time.monotonic() - t0
 
     def _reported_cause(self, error: BaseException) -> BaseException:
-        """``error`` came from a neighbour's connection closing: wait up to ``wire.GONE_GRACE_S`` for
+        """``error`` came from a neighbour's connection closing: wait up to ``config.GONE_GRACE_S`` for
         the failure another rank reports over gRPC (the real cause), else keep ``error``."""
-        end = time.monotonic() + wire.GONE_GRACE_S
+        end = time.monotonic() + config.GONE_GRACE_S
         while time.monotonic() < end:
             reported = self.mailbox.error_now()
             if reported is not None:
@@ -393,7 +417,6 @@ class GrpcRingBackend(Backend):
         return max(1, self.chunk_bytes // max(np.dtype(dtype).itemsize, np.dtype(wire).itemsize))
 
     # -- collectives -----------------------------------------------------------------------------
-    supports_out = True
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp, timeout=None, out: Optional[np.ndarray] = None) -> np.ndarray:
         """``out`` (C-contiguous, same shape and dtype; may be ``buf``: in place) receives the result;
@@ -477,7 +500,7 @@ class GrpcRingBackend(Backend):
         self._direct_tried = True
         self._direct, problem = shm_fusion.FusionBuffers.create(
             self.group.store, self.rank, self.size, [x.pid for x in self.group.workers], self.describe,
-            DIRECT_FLAGS_BYTES, timeout, shm_memory.spin_seconds(self.size), prefix="shmdirect")
+            DIRECT_FLAGS_BYTES, timeout, shared_memory.spin_seconds(self.size), prefix="shmdirect")
         return problem
 
     def _shared_empty_locked(self, shape, dtype, nbytes: int, wait: float) -> np.ndarray:
@@ -491,77 +514,6 @@ class GrpcRingBackend(Backend):
             return np.empty(shape, dtype)
         u8 = self._shared.allocate(g.store, nbytes, f"shape={tuple(shape)} dtype={dtype}", wait)
         return np.empty(shape, dtype) if u8 is None else u8.view(dtype).reshape(shape)
-
-    def allreduce_many(self, bufs: List[np.ndarray], op: ReduceOp, timeout=None,
-                       outs: Optional[List[np.ndarray]] = None) -> List[np.ndarray]:
-        """One all-reduce of several arrays of one dtype, as if they were concatenated (a fused
-        gradient list), without concatenating them first where the job shares one host's memory.
-
-        Args:
-          bufs: the arrays, one dtype, C-contiguous; only read.
-          op: the reduction.
-          timeout: deadline in seconds (None: the group's).
-          outs: where the results go (C-contiguous, the inputs' shapes; may be the inputs); None: new arrays.
-
-        Returns:
-          ``outs`` (or the new arrays), holding the reductions.
-
-        Raises:
-          UnsupportedOperationError: mixed dtypes, or ``outs`` that do not match.
-          CollectiveError: a subclass, from the collective.
-        """
-        bufs = [b if b.flags.c_contiguous else np.ascontiguousarray(b).reshape(b.shape)  # keeps 0-d arrays 0-d
-                for b in map(np.asarray, bufs)]
-        dtypes = {b.dtype for b in bufs}
-        if len(dtypes) > 1:
-            raise UnsupportedOperationError(f"allreduce_many needs one dtype; got {sorted(map(str, dtypes))}",
-                                            rank=self.rank, fix="call it once per dtype")
-        if outs is None:
-            outs = [np.empty_like(b) for b in bufs]
-        elif len(outs) != len(bufs) or any(o.shape != b.shape or o.dtype != b.dtype or not o.flags.c_contiguous
-                                           or not o.flags.writeable for o, b in zip(outs, bufs)):
-            raise UnsupportedOperationError("outs= must be writeable C-contiguous arrays with the shapes and dtype "
-                                            "of the inputs", rank=self.rank,
-                                            fix="pass [np.empty_like(b) for b in bufs] (or the inputs, if writeable)")
-        if not bufs:
-            return outs
-        total = sum(b.size for b in bufs)
-        dtype = bufs[0].dtype
-        in_place = all(o is b for o, b in zip(outs, bufs))
-        src, dst = Spans(bufs), Spans(outs)
-        if not in_place and dst.shares_memory(src):
-            raise UnsupportedOperationError("outs= overlap the inputs without being them", rank=self.rank,
-                                            fix="pass the inputs themselves (in place) or separate arrays")
-        ring_path = (self.size > 1 and not self.hierarchical and not needs_wide_accumulator(dtype, op) and
-                     not (self.small_bytes > 0 and total * dtype.itemsize * (self.size - 1) <= self.small_bytes))
-        sizes = ",".join(str(b.size) for b in bufs)
-        sig = f"allreduce op={op.value} dtype={dtype} shape={(total,)} parts={len(bufs)}:{zlib.crc32(sizes.encode())}"
-        fused = self._fusion_takes(total * dtype.itemsize)
-        if not fused and not ring_path:  # these paths work on one flat array
-            flat = np.concatenate([b.reshape(-1) for b in bufs]) if len(bufs) > 1 else bufs[0].reshape(-1).copy()
-            self._allreduce_flat(flat, op, timeout, sig)
-            dst.write_from(flat, 0, total)
-            return outs
-        ce = self._chunk_elems(dtype, op)
-
-        def body(link):
-            if fused:
-                self._fusion.allreduce(bufs, outs, op, link.seq, sig, link.deadline, abort=link.abort_now,
-                                       on_timeout=link.timeout_error)
-                return outs
-            # The ring reads the large inputs and writes the large outputs where they are (its chunks are
-            # cut at their boundaries); the small ones (biases, scalars) travel packed in one array, so
-            # that they do not each cost a frame per ring step.
-            small = [i for i, b in enumerate(bufs) if b.nbytes < PACK_BELOW_BYTES]
-            large = [i for i, b in enumerate(bufs) if b.nbytes >= PACK_BELOW_BYTES]
-            pack = [b.reshape(-1) for b in (bufs[i] for i in small)]
-            pack = [np.concatenate(pack)] if len(pack) > 1 else [p.copy() for p in pack]
-            ring.allreduce(link, Spans([outs[i] for i in large] + pack), op, ce, 0,
-                           src=None if in_place else Spans([bufs[i] for i in large] + pack))
-            if small:
-                Spans([outs[i] for i in small]).write_from(pack[0], 0, pack[0].size)
-            return outs
-        return self._run(sig, timeout, body)
 
     def _hierarchical_allreduce(self, link, flat, op: ReduceOp, ce: int, src):
         """All-reduce within this host, then among the hosts' leaders, then broadcast within the host.
@@ -651,16 +603,17 @@ class GrpcRingBackend(Backend):
     def accepts(self, buf) -> bool:
         return isinstance(buf, np.ndarray)
 
-    def stats(self) -> dict:
+    def stats(self) -> "HostStats":
         if self._fusion is not None:
             path = "shm-buffers" if self.size >= 3 else "ring (small: shm-buffers)"
         else:
             path = "hierarchical" if self.hierarchical else "ring"
-        return {"seq": self._seq, "pending_messages": self.mailbox.pending(), "busy_s": self._busy_s,
-                "transport": self.transport, "allreduce": path, "shared_arrays": self._shared.active,
-                "direct_allreduces": self._direct.direct_calls if self._direct is not None else 0,
-                "cross_memory_bytes": self._cma_bytes,
-                "cma_allreduces": self._direct.cma_calls if self._direct is not None else 0}
+        direct = self._direct
+        return HostStats(collectives=self._seq, pending_messages=self.mailbox.pending(), busy_s=self._busy_s,
+                         transport=self.transport, allreduce_path=path, shared_arrays=self._shared.active,
+                         direct_allreduces=direct.direct_calls if direct is not None else 0,
+                         cross_memory_bytes=self._cma_bytes,
+                         cma_allreduces=direct.cma_calls if direct is not None else 0)
 
     def quiesce(self) -> None:
         """Stop watching the peers (shutdown has begun: peers going away is expected now)."""

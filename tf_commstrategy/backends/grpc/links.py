@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import List, Optional
 
-from . import setup_report, shm_memory, shm_transport, socket_transport, transport
+from ...core import shared_memory
+from . import setup_report, shm_transport, socket_transport, transport
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -72,7 +73,7 @@ class RingLinks:
         self.planned = outbound
         if "shm" in (inbound, outbound):
             local = sum(1 for x in w if x.host_key == w[backend.rank].host_key)
-            spin = shm_memory.spin_seconds(local)
+            spin = shared_memory.spin_seconds(local)
             self._shm = shm_transport.ShmLinks(g.store, backend.rank, self.left, self.right, inbound == "shm",
                                                outbound == "shm", [x.pid for x in w], backend.describe,
                                                backend.chunk_bytes, g.rendezvous_timeout, spin,

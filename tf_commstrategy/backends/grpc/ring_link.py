@@ -55,7 +55,7 @@ class CollectiveLink:
     abort_now = _abort  # for the shared-buffer all-reduce's waits
 
     def _watched(self):
-        for w in getattr(self._b.group, "collective_watches", ()):
+        for w in self._b.group.collective_watches:
             problem = w.python_problem(self._seq, self._sig_text)
             if problem is not None:
                 return problem

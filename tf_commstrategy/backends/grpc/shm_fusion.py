@@ -46,7 +46,7 @@ Header of a segment (byte offsets; the flags each on their own cache line)::
                 rank waiting here and a rank waiting on the ring in another collective see the mismatch
     [4096, ...) data area
 
-Security and lifecycle are the ring segments' (``shm_memory``): created with ``O_EXCL`` and mode
+Security and lifecycle are the ring segments' (``core.shared_memory``): created with ``O_EXCL`` and mode
 0600 under an unguessable name exchanged over the authenticated store, unlinked as soon as every
 rank has mapped it, stale ones of killed jobs removed at the next start.
 """
@@ -67,9 +67,9 @@ from ...core.reduce_ops import (ReduceOp, combine_into, combine_to, finish_mean,
 from ...core.ring import even_bounds
 from ...core.spans import Spans
 from ...errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
-from . import shm_memory
+from ...core import shared_memory
 from . import shm_cma
-from .shm_memory import HEADER_BYTES, SLICE_S, YIELD_S, Bell, Segment, fence, pid_alive, reported_cause
+from ...core.shared_memory import HEADER_BYTES, SLICE_S, YIELD_S, Bell, Segment, fence, pid_alive, reported_cause
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -140,7 +140,7 @@ class FusionBuffers:
           links fell back for it and are reported already).
         """
         reason = "turned off (TFCS_SHM_FUSION_BYTES=0)" if capacity <= 0 else (known_problem or
-                                                                               shm_memory.available())
+                                                                               shared_memory.available())
         warned = known_problem is not None or capacity <= 0  # reported already, or not a problem
         seg = None
         capacity = (max(capacity, 0) + 63) // 64 * 64
@@ -148,9 +148,9 @@ class FusionBuffers:
             try:
                 seg = Segment.create(HEADER_BYTES + capacity, "fuse")
             except OSError as e:
-                reason = (f"cannot reserve {(HEADER_BYTES + capacity) >> 20} MiB in {shm_memory.SHM_DIR} "
-                          f"({e}; {shm_memory.free_mib()} MiB free)")
-        peers, reason, own, theirs = shm_memory.map_all_ranks(store, prefix, rank, size, seg, reason,
+                reason = (f"cannot reserve {(HEADER_BYTES + capacity) >> 20} MiB in {shared_memory.SHM_DIR} "
+                          f"({e}; {shared_memory.free_mib()} MiB free)")
+        peers, reason, own, theirs = shared_memory.map_all_ranks(store, prefix, rank, size, seg, reason,
                                                               {"capacity": capacity}, timeout)
         if reason is not None:
             log.debug("tf_commstrategy rank %d: shared all-reduce buffers unavailable (%s); all-reduce uses the "

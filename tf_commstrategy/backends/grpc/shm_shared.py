@@ -10,7 +10,7 @@ array with the r-th segments of the peers' arrays, then copies the other segment
 
 Allocation is collective, like TF's collectives and like torch's symmetric memory or MPI's
 ``MPI_Win_allocate_shared``: every rank calls ``allocate`` for the same shape and dtype in the same
-order. Each rank creates its segment (mode 0600, an unguessable name, ``shm_memory.Segment``), publishes
+order. Each rank creates its segment (mode 0600, an unguessable name, ``shared_memory.Segment``), publishes
 the name over the job's authenticated store, maps every peer's, and unlinks its own once every rank has
 mapped it: nothing stays in /dev/shm, even after a kill -9 (a rank killed before unlinking leaves a
 segment that the stale-segment sweep of the next start, or tfcs-run, removes). The memory of an
@@ -25,8 +25,8 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ...errors import CollectiveMismatchError
-from . import shm_memory
-from .shm_memory import Segment
+from ...core import shared_memory
+from ...core.shared_memory import Segment
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -68,13 +68,13 @@ class SharedArrays:
         """
         k = self.count
         self.count += 1
-        seg, why = None, shm_memory.available()
+        seg, why = None, shared_memory.available()
         if why is None:
             try:
                 seg = Segment.create(max(nbytes, 1), "shared")
             except OSError as e:
-                why = (f"cannot reserve {nbytes >> 20} MiB in {shm_memory.SHM_DIR} ({e}; "
-                       f"{shm_memory.free_mib()} MiB free)")
+                why = (f"cannot reserve {nbytes >> 20} MiB in {shared_memory.SHM_DIR} ({e}; "
+                       f"{shared_memory.free_mib()} MiB free)")
 
         def same_size(theirs):
             for q, t in theirs.items():
@@ -84,7 +84,7 @@ class SharedArrays:
                         f"{q} asked for {t['what']} ({t['nbytes']} bytes)", rank=self.rank, seq=k,
                         local_signature=what, remote_signature=str(t["what"]), remote_rank=q,
                         fix="every rank must call shared_empty with the same shape and dtype in the same order")
-        segs, why, own, _ = shm_memory.map_all_ranks(store, f"shared/{k}", self.rank, self.size, seg, why,
+        segs, why, own, _ = shared_memory.map_all_ranks(store, f"shared/{k}", self.rank, self.size, seg, why,
                                                      {"nbytes": nbytes, "what": what}, timeout, check=same_size)
         if why is not None:
             if own or self.rank == 0:

@@ -19,11 +19,11 @@ Layout of a ring segment::
 
 A frame is ``FRAME`` (magic, sig_len, seq, step, chunk, nbytes), the collective's signature, then
 the payload at the next 64-byte boundary. The producer publishes ``head`` only after the frame's
-bytes are in place; x86's ordering makes that sufficient, elsewhere a full fence (``shm_memory.fence``:
+bytes are in place; x86's ordering makes that sufficient, elsewhere a full fence (``shared_memory.fence``:
 C11 ``atomic_thread_fence``) separates the two, and the consumer fences between reading ``head``
 and reading the frame.
 
-Lifecycle and security (the segments, bells and fences are ``shm_memory``'s): segments are created
+Lifecycle and security (the segments, bells and fences are ``core.shared_memory``'s): segments are created
 by their owner with ``O_EXCL``, mode 0600, under an unguessable name (``tfcs-shm-<pid>-<random>``)
 that travels only over the authenticated control plane (the coordinator). Once both neighbours have
 mapped them, the owner unlinks them: nothing is left in ``/dev/shm`` after that, even if the job is
@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ...errors import CollectiveTimeoutError, PeerLostError
-from .shm_memory import (BELL_BYTES, HEADER_BYTES, SHM_DIR, SLICE_S, YIELD_S, Bell, Segment, align, available, fence,
+from ...core.shared_memory import (BELL_BYTES, HEADER_BYTES, SHM_DIR, SLICE_S, YIELD_S, Bell, Segment, align, available, fence,
                          free_mib, pid_alive, remove_stale_segments, reported_cause)
 
 log = logging.getLogger("tf_commstrategy")

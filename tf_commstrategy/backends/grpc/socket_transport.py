@@ -46,6 +46,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from ... import config
 from ...errors import CollectiveTimeoutError, PeerLostError, RendezvousError
 from . import wire
 
@@ -489,7 +490,7 @@ class SocketReceiver:
         reports why over gRPC before it goes; wait a moment for that report, so this rank raises the
         real cause rather than blaming the neighbour."""
         self._closed = err
-        end = time.monotonic() + wire.GONE_GRACE_S
+        end = time.monotonic() + config.GONE_GRACE_S
         while abort is not None and time.monotonic() < end:
             problem = abort()
             if problem is not None:

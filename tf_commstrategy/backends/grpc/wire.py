@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
 
+from ... import config
 from ...errors import PeerLostError
 
 MAGIC = b"TFCS"
@@ -25,7 +26,6 @@ BYE_STEP = 0xFFFFFFFF               # sender closes its stream cleanly (shutdown
 #: A neighbour is never more than one collective ahead; frames for collectives further out (or
 #: already finished) name no collective of this job and are dropped, logged once.
 SEQ_WINDOW = 64
-GONE_GRACE_S = 0.5
 
 Key = Tuple[int, int, int]           # (seq, step, chunk)
 
@@ -115,7 +115,7 @@ class Mailbox:
                 if sender in self._gone:
                     # A peer that failed itself reports why (Abort) before it goes: give that report a
                     # moment to arrive, so survivors blame the real cause, not a failing survivor.
-                    grace_end = time.monotonic() + GONE_GRACE_S
+                    grace_end = time.monotonic() + config.GONE_GRACE_S
                     while self._error is None and time.monotonic() < grace_end:
                         self._cv.wait(grace_end - time.monotonic())
                     raise self._error if self._error is not None else self._gone[sender]

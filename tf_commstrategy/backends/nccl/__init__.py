@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...core.backend import register_backend, unavailable
-from .buffers import Bfloat16Array  # noqa: F401  (public: bfloat16 data for the nccl backend)
+from ...core.device_arrays import Bfloat16Array  # noqa: F401  (public: bfloat16 data for the nccl backend)
 
 
 def availability() -> Optional[str]:
@@ -51,5 +51,4 @@ def make_backend(group):
     return NcclBackend(group)
 
 
-make_backend.availability = availability
-register_backend("nccl", make_backend)
+register_backend("nccl", make_backend, availability)

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from ... import config
-from ...core.backend import Backend
+from ...core.backend import Backend, BackendStats, Capabilities
 from ...core.reduce_ops import ReduceOp
 from ...errors import CollectiveError, CollectiveMismatchError, TfcsError, UnsupportedOperationError
 from . import buffers as bufmod
@@ -90,6 +90,7 @@ class NcclBackend(Backend):
     """Collectives over NCCL, one communicator per GPU of this rank (created on first use)."""
 
     name = "nccl"
+    capabilities = Capabilities(device_arrays=True)
     supports_out = False
 
     def __init__(self, group):
@@ -105,7 +106,6 @@ class NcclBackend(Backend):
         self._lock = threading.Lock()
         self._failed: Optional[BaseException] = None
         self._check_host: Dict[int, tuple] = {}
-        self._busy_s = 0.0
         log.info("tf_commstrategy rank %d: nccl backend (NCCL %s, signature checks %s)", self.rank,
                  nccl.get_version(), "on" if self.check else "off")
 
@@ -113,7 +113,7 @@ class NcclBackend(Backend):
     def _control_failure(self) -> Optional[BaseException]:
         if self._failed is not None:
             return self._failed
-        grpc = getattr(self.group, "_backends", {}).get("grpc")
+        grpc = self.group.built_backend("grpc")
         return grpc.failure() if grpc is not None else None  # its own error, or one another rank reported
 
     def _comm(self, device_id: int, deadline: float) -> Communicator:
@@ -139,8 +139,7 @@ class NcclBackend(Backend):
                                       rank=self.rank, fix="shut down (tfcs.shutdown()) and restart the job")
             seq = self._seq
             self._seq += 1
-            t0 = time.monotonic()
-            deadline = t0 + timeout
+            deadline = time.monotonic() + timeout
             try:
                 with cupy.cuda.Device(device_id):
                     comm = self._comm(device_id, deadline)
@@ -173,8 +172,6 @@ class NcclBackend(Backend):
                                            f"NCCL communicator was aborted", rank=self.rank, seq=seq,
                                            fix="restart the job (tfcs-run --max-restarts)"))
                 raise
-            finally:
-                self._busy_s += time.monotonic() - t0
 
     def _fail(self, error: BaseException) -> None:
         if self._failed is not None:
@@ -182,8 +179,8 @@ class NcclBackend(Backend):
         self._failed = error
         for c in self._comms.values():
             c.abort()
-        grpc = getattr(self.group, "_backends", {}).get("grpc")
-        if grpc is not None and getattr(grpc, "_failed", None) is None:
+        grpc = self.group.built_backend("grpc")
+        if grpc is not None and grpc.failure() is None:
             grpc.abort(error)  # tells every other rank over the control plane
 
     def _mismatch(self, comm: Communicator, sig: str, seq: int, hashes: Sequence[int]) -> CollectiveMismatchError:
@@ -397,6 +394,9 @@ class NcclBackend(Backend):
         return bufmod.is_device_buffer(buf)
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def stats(self) -> BackendStats:
+        return BackendStats(collectives=self._seq)
+
     def abort(self, error: BaseException) -> None:
         if self._failed is None:
             self._failed = error

@@ -19,49 +19,8 @@ from __future__ import annotations
 
 from typing import Callable, List, Sequence, Tuple
 
+from ...core.device_arrays import Bfloat16Array, is_cupy
 from ...errors import UnsupportedOperationError
-
-
-class Bfloat16Array:
-    """bfloat16 values stored in a uint16 cupy array (NCCL reduces them as ``ncclBfloat16``).
-
-    Args:
-      data: a ``cupy.ndarray`` of dtype uint16 holding the bfloat16 bit patterns.
-
-    Raises:
-      UnsupportedOperationError: ``data`` is not a uint16 cupy array.
-    """
-
-    __slots__ = ("data",)
-    __tfcs_device_buffer__ = True
-
-    def __init__(self, data):
-        if not _is_cupy(data) or str(data.dtype) != "uint16":
-            raise UnsupportedOperationError(
-                f"Bfloat16Array needs a uint16 cupy array, got {type(data).__name__} of dtype "
-                f"{getattr(data, 'dtype', '?')}", fix="pass cupy.asarray(bf16_numpy.view(numpy.uint16))")
-        self.data = data
-
-    @property
-    def shape(self):
-        return self.data.shape
-
-    @property
-    def ndim(self) -> int:
-        return self.data.ndim
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
-
-    @property
-    def dtype(self):
-        """``numpy.dtype(ml_dtypes.bfloat16)`` (its ``str`` is "bfloat16")."""
-        from ...core.reduce_ops import BFLOAT16
-        return BFLOAT16
-
-    def __repr__(self) -> str:
-        return f"Bfloat16Array(shape={self.shape}, device={self.data.device.id})"
 
 
 class DeviceBuffer:
@@ -102,13 +61,9 @@ class DeviceBuffer:
         return DeviceBuffer(arr, self.dtype)
 
 
-def _is_cupy(x) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
-
-
 def is_device_buffer(x) -> bool:
     """True for what the nccl backend takes as it is: cupy arrays and ``Bfloat16Array``."""
-    return _is_cupy(x) or getattr(type(x), "__tfcs_device_buffer__", False)
+    return is_cupy(x) or getattr(type(x), "__tfcs_device_buffer__", False)
 
 
 def _host_refusal(x) -> UnsupportedOperationError:
@@ -134,7 +89,7 @@ def to_device(x) -> Tuple[DeviceBuffer, Callable[[DeviceBuffer], object]]:
     import cupy
     if isinstance(x, Bfloat16Array):
         return DeviceBuffer(cupy.ascontiguousarray(x.data), "bfloat16"), lambda b: Bfloat16Array(b.array)
-    if _is_cupy(x):
+    if is_cupy(x):
         arr = x
     elif hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         kind = x.__dlpack_device__()[0]
@@ -172,31 +127,3 @@ def to_devices(xs: Sequence) -> Tuple[List[DeviceBuffer], List[Callable]]:
         raise UnsupportedOperationError(
             f"one nccl call got buffers on GPUs {devices}", fix="put every buffer of one call on the same GPU")
     return bufs, [p[1] for p in pairs]
-
-
-def to_host(x) -> Tuple[object, Callable[[object], object]]:
-    """Copy a GPU operand to host memory, for a backend that moves host memory (grpc).
-
-    Used when "auto" (or an explicit backend="grpc") meets a GPU buffer and nccl cannot take it:
-    the data is staged through the host, as Horovod does without NCCL.
-
-    Args:
-      x: a cupy array, a ``Bfloat16Array`` or a CUDA DLPack producer.
-
-    Returns:
-      ``(numpy_array, back)``: ``back(numpy_result)`` copies a result to the GPU, as what the
-      caller gets back for ``x`` (a cupy array, or a ``Bfloat16Array``).
-    """
-    import cupy
-    if isinstance(x, Bfloat16Array):
-        from ...core.reduce_ops import BFLOAT16
-        import numpy as np
-        return cupy.asnumpy(x.data).view(BFLOAT16), lambda r: Bfloat16Array(cupy.asarray(np.asarray(r).view(np.uint16)))
-    arr = x if _is_cupy(x) else cupy.from_dlpack(x)
-    device = arr.device
-
-    def back(r):
-        with device:
-            return cupy.asarray(r)
-
-    return cupy.asnumpy(arr), back

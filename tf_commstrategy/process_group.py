@@ -11,14 +11,15 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
-from .. import config
-from ..errors import ConfigurationError
-from ..rendezvous import rendezvous as rdv
-from ..rendezvous.cluster_env import ClusterSpec, split_host_port
-from . import grpc_util
-from .backend import Backend, factory_for, normalize_backend_name
+from . import config
+from .core import grpc_util
+from .core.auto import choose
+from .core.backend import Backend, CollectiveWatch, factory_for, normalize_backend_name
+from .errors import ConfigurationError, NotInitializedError
+from .rendezvous import rendezvous as rdv
+from .rendezvous.cluster_env import ClusterSpec, split_host_port
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -100,7 +101,7 @@ class ProcessGroup:
         self._close_hooks = []  # called at shutdown, before the backends close (add_close_hook)
         self._failure_hooks = []  # called with the first error that makes the group unusable
         self._failure_sources = []  # layers above with collectives of their own: their failure, or None
-        self.collective_watches = []  # layers above with collectives of their own, told of the backend's (below)
+        self.collective_watches: List[CollectiveWatch] = []  # layers above with collectives of their own, told of the backend's (below)
         self._lock = threading.Lock()
         self._closed = False
         self.default_backend = settings.backend
@@ -121,7 +122,6 @@ class ProcessGroup:
             raise ConfigurationError("'auto' is a policy, not a backend", fix="use resolve_backend()")
         with self._lock:
             if self._closed:
-                from ..errors import NotInitializedError
                 raise NotInitializedError("the process group was shut down", rank=self.rank,
                                           fix="call tfcs.init() again")
             b = self._backends.get(name)
@@ -130,6 +130,10 @@ class ProcessGroup:
                 self._backends[name] = b
                 log.debug("tf_commstrategy rank %d: backend %s ready", self.rank, name)
             return b
+
+    def built_backend(self, name: str) -> Optional[Backend]:
+        """The backend ``name`` if this group has built it, else None (never builds one)."""
+        return self._backends.get(name)
 
     def add_close_hook(self, hook) -> None:
         """Call ``hook()`` when this group shuts down (before its backends close): a layer above that
@@ -183,7 +187,6 @@ class ProcessGroup:
         name = normalize_backend_name(name) or self.default_backend
         if name != "auto":
             return self.backend(name)
-        from .auto import choose
         return self.backend(choose(self, buf))
 
     def abort(self, error: BaseException) -> None:
@@ -197,9 +200,7 @@ class ProcessGroup:
                 return
             self._closed = True
         for b in self._backends.values():
-            quiesce = getattr(b, "quiesce", None)
-            if quiesce is not None:
-                quiesce()  # peers leaving is expected from here on: no heartbeat alarms
+            b.quiesce()  # peers leaving is expected from here on: no heartbeat alarms
         # every rank of a failed job must agree to skip the barrier: the one that failed, and the ones
         # that only heard of it (an Abort received while idle)
         failed = self.failure() is not None

@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import wire
+from .. import config
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -373,9 +373,9 @@ def fence() -> None:
 
 def reported_cause(error: BaseException, abort) -> BaseException:
     """A neighbour that failed itself reports why (Abort, over gRPC) before it goes: wait a moment
-    (``wire.GONE_GRACE_S``) for that report from ``abort()``, so this rank raises the real cause rather
+    (``config.GONE_GRACE_S``) for that report from ``abort()``, so this rank raises the real cause rather
     than blaming the neighbour; else ``error``."""
-    end = time.monotonic() + wire.GONE_GRACE_S
+    end = time.monotonic() + config.GONE_GRACE_S
     while abort is not None:
         problem = abort()
         if problem is not None:
