@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup test test-slow test-netns demo bench docs clean
+.PHONY: setup test test-slow test-netns demo bench docs clean settings-table
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# docs/usage.md's table of TFCS_* variables, from tf_commstrategy/config.py's SETTINGS (a test checks it).
+settings-table: $(STAMP)
+	$(BIN)/python -c 'import re, sys; from tf_commstrategy import config; p = "docs/usage.md"; s = open(p).read(); \
+	s = re.sub(r"(<!-- settings-table: start.*?-->\n).*?(<!-- settings-table: end -->)", \
+	lambda m: m.group(1) + config.settings_table() + m.group(2), s, flags=re.S); open(p, "w").write(s)'
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache site

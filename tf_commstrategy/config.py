@@ -6,8 +6,9 @@ Precedence everywhere in the package: explicit argument > per-call options > str
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Callable, Mapping, Optional, TypeVar
+from typing import Callable, List, Mapping, Optional, Tuple, TypeVar
 
 from .errors import ConfigurationError
 
@@ -16,15 +17,15 @@ T = TypeVar("T")
 #: Built-in defaults, documented in docs/usage.md.
 DEFAULT_TIMEOUT_S = 300.0          # collective deadline
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
-DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit over gRPC (per-message overhead ~50-100 us)
+DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit over gRPC: large enough to amortise a message's cost
 DEFAULT_SHM_CHUNK_BYTES = 1 << 20     # ... through shared memory (rings of 4 frames stay small in /dev/shm)
-DEFAULT_SOCKET_CHUNK_BYTES = 1 << 20  # ... over raw sockets, every rank with a core of its own (measured,
-                                      # 2 ranks over TCP: 256 MiB 0.56-0.58 of gloo, 4 MiB chunks 0.69-0.74)
-CROWDED_SOCKET_CHUNK_BYTES = 4 << 20  # ... when some host has more ranks than cores (4 ranks on 2 cores,
-                                      # TCP, 64 MiB: 0.87-0.92 of gloo, 1 MiB chunks 1.01-1.02)
+DEFAULT_SOCKET_CHUNK_BYTES = 1 << 20  # ... over raw sockets, every rank with a core of its own: short chunks
+                                      # keep the pipeline full (sending overlaps reducing)
+CROWDED_SOCKET_CHUNK_BYTES = 4 << 20  # ... when some host has more ranks than cores: fewer, longer chunks
+                                      # mean fewer context switches between the ranks sharing a core
 MAX_CHUNK_BYTES = 128 << 20  # a chunk and its frame header must fit one gRPC message (256 MiB)
 DEFAULT_SMALL_BYTES = 0            # all-reduce by all-gather up to this many bytes x (size - 1) (TFCS_SMALL_ALLREDUCE_BYTES) ...
-DEFAULT_SHM_SMALL_BYTES = 64 << 10  # ... when every ring link is shared memory (measured: 8 B, 4 ranks: 381 -> 220 us)
+DEFAULT_SHM_SMALL_BYTES = 64 << 10  # ... when every ring link is shared memory: half the hops, each a wake-up
 DEFAULT_BACKEND = "auto"
 GONE_GRACE_S = 0.5  # a peer that fails reports why within this of its connection closing: wait for the report
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # a silent ring neighbour is declared lost after this long (0: off)
@@ -60,6 +61,81 @@ def parse_size(text: str) -> int:
     if value < 0:
         raise ConfigurationError(f"size {text!r} is negative", fix="write a size of 0 or more, e.g. 8, 4K, 4M")
     return value
+
+
+def parse_bool(text: str) -> bool:
+    """The one spelling of an on/off setting: 1, true, yes, on / 0, false, no, off (any case).
+
+    Raises:
+      ValueError: anything else (a typo must not silently mean "on").
+    """
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1 or 0 (also true/false, yes/no, on/off)")
+
+
+def parse_switch(text: str) -> str:
+    """A setting that is "auto", "on" or "off" (on and off spelled as ``parse_bool`` accepts).
+
+    Raises:
+      ValueError: anything else.
+    """
+    t = str(text).strip().lower()
+    if t == "auto":
+        return "auto"
+    try:
+        return "on" if parse_bool(t) else "off"
+    except ValueError:
+        raise ValueError("expected auto, 1 or 0") from None
+
+
+def parse_seconds(text: str) -> float:
+    """A positive, finite number of seconds.
+
+    Raises:
+      ValueError: not a number, or not > 0.
+    """
+    v = float(text)
+    if not 0 < v < float("inf"):
+        raise ValueError("must be a number of seconds > 0")
+    return v
+
+
+def parse_seconds_or_off(text: str) -> float:
+    """A finite number of seconds >= 0 (0: off).
+
+    Raises:
+      ValueError: not a number, or negative.
+    """
+    v = float(text)
+    if not 0 <= v < float("inf"):
+        raise ValueError("must be a number of seconds >= 0")
+    return v
+
+
+def parse_count(text: str) -> int:
+    """A whole number >= 0.
+
+    Raises:
+      ValueError: anything else.
+    """
+    v = int(str(text).strip())
+    if v < 0:
+        raise ValueError("must be >= 0")
+    return v
+
+
+def parse_text(text: str) -> str:
+    """Text as given, surrounding blanks removed."""
+    return str(text).strip()
+
+
+def parse_name(text: str) -> str:
+    """A lower-cased name (validated by its user)."""
+    return str(text).strip().lower()
 
 
 def env_value(name: str, parse: Callable[[str], T], default: T,
@@ -101,7 +177,7 @@ def timeout_from_env(environ=None) -> float:
     Raises:
       ConfigurationError: the value is invalid.
     """
-    return env_value("TFCS_TIMEOUT", _positive_float, DEFAULT_TIMEOUT_S, environ)
+    return env_value("TFCS_TIMEOUT", parse_seconds, DEFAULT_TIMEOUT_S, environ)
 
 
 def call_timeout(timeout, default: float, rank: Optional[int] = None) -> float:
@@ -144,7 +220,7 @@ def rendezvous_timeout_from_env(environ=None) -> float:
     Raises:
       ConfigurationError: the value is invalid.
     """
-    return env_value("TFCS_RENDEZVOUS_TIMEOUT", _positive_float, DEFAULT_RENDEZVOUS_TIMEOUT_S, environ)
+    return env_value("TFCS_RENDEZVOUS_TIMEOUT", parse_seconds, DEFAULT_RENDEZVOUS_TIMEOUT_S, environ)
 
 
 def chunk_bytes_from_env(environ=None) -> Optional[int]:
@@ -191,19 +267,13 @@ def heartbeat_timeout_from_env(environ=None) -> float:
     Raises:
       ConfigurationError: the value is invalid.
     """
-    def parse(s: str) -> float:
-        v = float(s)
-        if v < 0:
-            raise ValueError("must be >= 0")
-        return v
-    return env_value("TFCS_HEARTBEAT_TIMEOUT", parse, DEFAULT_HEARTBEAT_TIMEOUT_S, environ)
+    return env_value("TFCS_HEARTBEAT_TIMEOUT", parse_seconds_or_off, DEFAULT_HEARTBEAT_TIMEOUT_S, environ)
 
 
 def hierarchical_from_env(environ=None) -> bool:
     """``TFCS_HIERARCHICAL``: 1 (default) uses the hierarchical all-reduce when ranks span several
     hosts with several ranks on some; 0 keeps the flat ring."""
-    return env_value("TFCS_HIERARCHICAL", lambda s: s.strip().lower() not in ("0", "false", "no", "off"), True,
-                     environ)
+    return env_value("TFCS_HIERARCHICAL", parse_bool, True, environ)
 
 
 def shm_cma_bytes_from_env(environ=None) -> int:
@@ -251,7 +321,7 @@ def tf_threads_from_env(environ=None) -> str:
     Returns:
       The text, lower-cased (validated by the TF layer, which applies it).
     """
-    return env_value("TFCS_TF_THREADS", lambda s: s.strip().lower(), DEFAULT_TF_THREADS, environ)
+    return env_value("TFCS_TF_THREADS", parse_name, DEFAULT_TF_THREADS, environ)
 
 
 def parse_heap_setting(value) -> str:
@@ -266,11 +336,12 @@ def parse_heap_setting(value) -> str:
     if value is False:
         return "off"
     text = str(value).strip().lower()
-    if text in ("auto", "on", "1", "true", "yes"):
-        return "auto"
-    if text in ("off", "0", "false", "no", "none"):
+    if text == "none":
         return "off"
-    raise ConfigurationError(f"heap={value!r} is not a heap setting", fix='use "auto" or "off"')
+    try:
+        return "off" if parse_switch(text) == "off" else "auto"
+    except ValueError:
+        raise ConfigurationError(f"heap={value!r} is not a heap setting", fix='use "auto" or "off"') from None
 
 
 def heap_from_env(environ=None) -> str:
@@ -312,22 +383,12 @@ def transport_from_env(environ=None) -> str:
     """``TFCS_TRANSPORT``: the ring's data path (default "auto")."""
     return env_value("TFCS_TRANSPORT", parse_transport, "auto", environ)
 
-def _on_off_auto(text: str) -> str:
-    t = text.strip().lower()
-    if t in ("auto",):
-        return "auto"
-    if t in ("1", "on", "true", "yes"):
-        return "on"
-    if t in ("0", "off", "false", "no"):
-        return "off"
-    raise ValueError("expected auto, 1 or 0")
-
 
 def native_from_env(environ=None) -> str:
     """``TFCS_NATIVE``: the compiled all-reduce op of the strategy when every rank shares one host's
     memory: "auto" (default: used when it builds), "on" (``1``: it must, else ConfigurationError), "off"
     (``0``: the ``tf.numpy_function`` path)."""
-    return env_value("TFCS_NATIVE", _on_off_auto, "auto", environ)
+    return env_value("TFCS_NATIVE", parse_switch, "auto", environ)
 
 def backend_from_env(environ=None) -> str:
     """``TFCS_BACKEND``: the default backend name, lower-cased (default "auto").
@@ -338,19 +399,176 @@ def backend_from_env(environ=None) -> str:
     Returns:
       The name.
     """
-    return env_value("TFCS_BACKEND", lambda s: s.strip().lower(), DEFAULT_BACKEND, environ)
-
-
-def _positive_float(s: str) -> float:
-    v = float(s)
-    if not v > 0:
-        raise ValueError("must be > 0")
-    return v
+    return env_value("TFCS_BACKEND", parse_name, DEFAULT_BACKEND, environ)
 
 
 def nccl_check_from_env(environ=None) -> bool:
     """``TFCS_NCCL_CHECK``: 1 (default) checks, with every nccl collective, that all ranks make the
     same call (one 16-byte all-reduce queued just ahead of it); 0 skips the check (a mismatched call
     then hangs until the deadline or mixes data up, as in plain NCCL)."""
-    return env_value("TFCS_NCCL_CHECK", lambda s: s.strip().lower() not in ("0", "false", "no", "off"), True,
-                     environ)
+    return env_value("TFCS_NCCL_CHECK", parse_bool, True, environ)
+
+
+# -- who and where: set by tfcs-run or by the user (engines' own variables are read in rendezvous/) ----
+def tfcs_cluster_from_env(environ=None) -> Optional[Tuple[int, int, Optional[int]]]:
+    """``TFCS_RANK``, ``TFCS_WORLD_SIZE`` (both, or this source is not used) and ``TFCS_LOCAL_RANK``.
+
+    Args:
+      environ: the variables to read (default: ``os.environ``).
+
+    Returns:
+      ``(rank, world_size, local_rank or None)``, or None when rank and size are not both set.
+
+    Raises:
+      ConfigurationError: a value is not a whole number >= 0 (the message names the variable).
+    """
+    env = os.environ if environ is None else environ
+    if "TFCS_RANK" not in env or "TFCS_WORLD_SIZE" not in env:
+        return None
+    return (env_value("TFCS_RANK", parse_count, 0, env), env_value("TFCS_WORLD_SIZE", parse_count, 0, env),
+            env_value("TFCS_LOCAL_RANK", parse_count, None, env))
+
+
+def coordinator_from_env(environ=None) -> Optional[str]:
+    """``TFCS_COORDINATOR``: rank 0's coordinator, ``host:port`` (None when unset)."""
+    return env_value("TFCS_COORDINATOR", parse_text, None, environ)
+
+
+def coordinator_port_from_env(environ=None) -> Optional[int]:
+    """``TFCS_COORDINATOR_PORT``: the coordinator's port under Slurm (None when unset)."""
+    return env_value("TFCS_COORDINATOR_PORT", parse_count, None, environ)
+
+
+def bind_host_from_env(environ=None) -> Optional[str]:
+    """``TFCS_BIND_HOST``: where this worker's servers listen (None when unset)."""
+    return env_value("TFCS_BIND_HOST", parse_text, None, environ)
+
+
+def advertise_host_from_env(environ=None) -> Optional[str]:
+    """``TFCS_ADVERTISE_HOST``: the address peers dial to reach this worker (None when unset)."""
+    return env_value("TFCS_ADVERTISE_HOST", parse_text, None, environ)
+
+
+def token_from_env(environ=None) -> Optional[str]:
+    """``TFCS_TOKEN``: the job's shared secret (None when unset: no check)."""
+    return env_value("TFCS_TOKEN", parse_text, None, environ)
+
+
+def tls_files_from_env(environ=None) -> Tuple[str, str, str, Optional[str]]:
+    """``TFCS_TLS_CERT``, ``TFCS_TLS_KEY``, ``TFCS_TLS_CA`` (paths, "" when unset) and ``TFCS_TLS_SERVER_NAME``."""
+    return (env_value("TFCS_TLS_CERT", parse_text, "", environ), env_value("TFCS_TLS_KEY", parse_text, "", environ),
+            env_value("TFCS_TLS_CA", parse_text, "", environ),
+            env_value("TFCS_TLS_SERVER_NAME", parse_text, None, environ))
+
+
+def native_cache_from_env(environ=None) -> Optional[str]:
+    """``TFCS_NATIVE_CACHE``: where the compiled all-reduce is cached (None: the user's cache directory)."""
+    return env_value("TFCS_NATIVE_CACHE", parse_text, None, environ)
+
+
+def restart_count_from_env(environ=None) -> int:
+    """``TFCS_RESTART_COUNT``: how many times ``tfcs-run --max-restarts`` has restarted the job (0)."""
+    return env_value("TFCS_RESTART_COUNT", parse_count, 0, environ)
+
+
+def bench_ports_from_env(environ=None) -> List[int]:
+    """``TFCS_BENCH_PORTS``: free ports ``tfcs-bench`` hands its workers for the peers it compares with."""
+    return env_value("TFCS_BENCH_PORTS", lambda s: [parse_count(p) for p in s.split(",")], [], environ)
+
+
+# -- the table of every variable (docs/usage.md's table is generated from it) ------------------------
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the settings table.
+
+    Attributes:
+      names: the variables (several when they go together).
+      what: what it sets, for the docs (Markdown).
+      default: the default, for the docs (Markdown).
+    """
+
+    names: Tuple[str, ...]
+    what: str
+    default: str
+
+
+SETTINGS: Tuple[Setting, ...] = (
+    Setting(("TFCS_RANK", "TFCS_WORLD_SIZE", "TFCS_LOCAL_RANK", "TFCS_COORDINATOR"),
+            "who and where (set by `tfcs-run`)",
+            "from TF_CONFIG / Slurm / Open MPI / torchrun variables, else a single process"),
+    Setting(("TFCS_BACKEND",), "default backend: `auto`, `grpc` or `nccl`", "`auto`"),
+    Setting(("TFCS_TIMEOUT",), "collective deadline, seconds", "300"),
+    Setting(("TFCS_RENDEZVOUS_TIMEOUT",), "how long to wait for the coordinator and the other workers, seconds",
+            "300"),
+    Setting(("TFCS_TRANSPORT",),
+            "data path under the ring: `auto` (shared memory between ranks on one host, gRPC between hosts), "
+            "`shm`, `unix`, `tcp` (raw TCP on every link, same-host ones included; opt-in between hosts), "
+            "`grpc` (always possible); also `tfcs-run --transport`, `tfcs.init(transport=...)`, "
+            "`CommStrategy(transport=...)`", "`auto`"),
+    Setting(("TFCS_TF_THREADS",),
+            "TensorFlow's intra-/inter-op pool size under `CommStrategy`: `auto` (each of a host's workers gets "
+            "`cores // local workers` when several share it), `off` (TensorFlow's defaults), or a number; also "
+            "`CommStrategy(tf_threads=...)`", "`auto`"),
+    Setting(("TFCS_HEAP",),
+            "whether `CommStrategy` keeps the memory a training step frees for the next step: `auto` (glibc's "
+            "mmap threshold raised to 32 MiB and its trim threshold to 512 MiB with `mallopt`; left alone when "
+            "`MALLOC_*_` variables, `glibc.malloc` tunables or a preloaded jemalloc/tcmalloc are set), `off` "
+            "(glibc's own adaptive thresholds); also `CommStrategy(heap=...)`", "`auto`"),
+    Setting(("TFCS_HEARTBEAT_TIMEOUT",),
+            "seconds after which a silent ring neighbour is declared lost (`PeerLostError`); 0 turns heartbeats "
+            "off", "`10`"),
+    Setting(("TFCS_TLS_CERT", "TFCS_TLS_KEY", "TFCS_TLS_CA"),
+            "PEM files for mutual TLS on every gRPC port ([fault tolerance and security](fault_tolerance.md#tls))",
+            "unset"),
+    Setting(("TFCS_TLS_SERVER_NAME",),
+            "the name checked against a server's TLS certificate (with the `TFCS_TLS_*` files)", "each server's host"),
+    Setting(("TFCS_CHUNK_BYTES",),
+            "ring pipelining unit (at most 128M: one chunk travels in one gRPC message)",
+            "1 MiB; 4 MiB when every ring link is a raw socket and some host has more ranks than cores"),
+    Setting(("TFCS_SHM_FUSION_BYTES",),
+            "each rank's shared all-reduce buffer when every rank of the job shares one host's memory (with 2 "
+            "ranks at most 130 KiB: they use only its one-round path, for all-reduces of at most 64 KiB); 0 keeps "
+            "the ring ([backends](backends.md#every-rank-on-one-host-shared-all-reduce-buffers))", "8 MiB"),
+    Setting(("TFCS_SHM_CMA",),
+            "every rank on one host: the smallest all-reduce of private arrays that reads the peers' arrays by "
+            "cross-memory attach (`process_vm_readv`) instead of copying through shared memory; at least 64 KiB; "
+            "the ranks take the largest value any sets, and 0 on any rank turns it off "
+            "([backends](backends.md#every-rank-on-one-host-cross-memory-reads-of-private-arrays))", "4 MiB"),
+    Setting(("TFCS_NATIVE",),
+            "the strategy's host all-reduce as a compiled TensorFlow op when every rank of the job shares one "
+            "host's memory (built on first use with the C++ compiler on the PATH; "
+            "[backends](backends.md#every-rank-on-one-host-the-compiled-all-reduce)): `auto` uses it where it "
+            "builds, `1` requires it (`ConfigurationError` naming the reason otherwise), `0` keeps the "
+            "`tf.numpy_function` path", "`auto`"),
+    Setting(("TFCS_NATIVE_CACHE",),
+            "where the compiled op is cached (one build per machine and TensorFlow version, ~10 s)",
+            "`$XDG_CACHE_HOME/tf_commstrategy`, else `~/.cache/tf_commstrategy`"),
+    Setting(("TFCS_SMALL_ALLREDUCE_BYTES",),
+            "all-reduce buffers up to this size (x (size-1)) by one all-gather pass instead of the two-pass ring "
+            "(half the hops; 0 turns it off)", "64 KiB when every ring link is shared memory, else 0"),
+    Setting(("TFCS_BIND_HOST", "TFCS_ADVERTISE_HOST"), "where servers listen / what peers dial",
+            "loopback for a loopback coordinator, else all interfaces / the address routing to the coordinator"),
+    Setting(("TFCS_TOKEN",), "per-job secret every RPC must carry", "generated by `tfcs-run`; unset = no check"),
+    Setting(("TFCS_COORDINATOR_PORT",), "coordinator port under Slurm (before `MASTER_PORT`)",
+            "`MASTER_PORT` if set, else 29400 + (37 × job id + step id) % 1000"),
+    Setting(("TFCS_HIERARCHICAL",),
+            "with several hosts of several ranks each, all-reduce inside each host first, then between hosts (one "
+            "ring per local rank); `0` keeps one flat ring", "`1`"),
+    Setting(("TFCS_NCCL_CHECK",),
+            "with every nccl collective, all ranks check that they make the same call (one 16-byte all-reduce of "
+            "a signature hash, queued just ahead of it), so a mismatch raises `CollectiveMismatchError` instead "
+            "of hanging or mixing data up; `0` skips it (one-rank jobs never check)", "`1`"),
+    Setting(("TFCS_RESTART_COUNT",),
+            "how many times `tfcs-run --max-restarts` has restarted the job (set by `tfcs-run`, read by your "
+            "script)", "`0`"),
+    Setting(("TFCS_BENCH_PORTS",), "free ports `tfcs-bench` hands its workers (set by `tfcs-bench`)", "unset"),
+)
+
+
+def settings_table() -> str:
+    """The Markdown table of ``SETTINGS`` that docs/usage.md holds (``make settings-table`` writes it there)."""
+    rows = ["| variable | what it sets | default |", "|---|---|---|"]
+    for st in SETTINGS:
+        rows.append(f"| {', '.join(f'`{n}`' for n in st.names)} | {st.what} | {st.default} |")
+    return "\n".join(rows) + "\n"
+

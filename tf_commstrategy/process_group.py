@@ -55,10 +55,10 @@ class GroupSettings:
             rendezvous_timeout=(float(rendezvous_timeout) if rendezvous_timeout is not None
                                 else config.rendezvous_timeout_from_env(env)),
             chunk_bytes=int(chunk_bytes) if chunk_bytes is not None else config.chunk_bytes_from_env(env),
-            bind_host=bind_host or env.get("TFCS_BIND_HOST") or None,
-            advertise_host=advertise_host or env.get("TFCS_ADVERTISE_HOST") or None,
+            bind_host=bind_host or config.bind_host_from_env(env),
+            advertise_host=advertise_host or config.advertise_host_from_env(env),
             transport=config.parse_transport(transport) if transport else config.transport_from_env(env),
-            token=token if token is not None else (env.get("TFCS_TOKEN") or None),
+            token=token if token is not None else config.token_from_env(env),
             tls=tls if tls is not None else grpc_util.TlsConfig.from_env(env),
         )
 

@@ -32,6 +32,8 @@ from typing import Optional
 
 import numpy as np
 
+from .. import config
+
 DTYPE_BYTES = 4  # float32 everywhere
 _SCRATCH = bytes(16 << 10)  # what busy() hashes
 
@@ -149,7 +151,7 @@ class TfcsSession(Session):
 class TfRingSession(Session):
     def __init__(self, args, rank, size):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        ports = os.environ["TFCS_BENCH_PORTS"].split(",")[:size]
+        ports = config.bench_ports_from_env()[:size]
         os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                               "task": {"type": "worker", "index": rank}})
         import tensorflow as tf
@@ -193,7 +195,7 @@ class GlooSession(Session):
         import torch.distributed as dist
         self.torch, self.dist, self.args, self.size = torch, dist, args, size
         torch.set_num_threads(1)
-        port = os.environ["TFCS_BENCH_PORTS"].split(",")[-1]  # the one that tf-ring's servers leave free
+        port = config.bench_ports_from_env()[-1]  # the one that tf-ring's servers leave free
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         self.rank = rank
 
@@ -283,7 +285,7 @@ def main():
         p.error(f"--impl: each of {sorted(SESSIONS)} at most once, got {args.impl!r}")
     args.gap_s = args.gap_ms / 1e3
     args.sizes = [int(s) for s in args.sizes.split(",")]
-    rank, size = int(os.environ["TFCS_RANK"]), int(os.environ["TFCS_WORLD_SIZE"])
+    rank, size, _ = config.tfcs_cluster_from_env()
     if len(impls) == 1:
         results, info = run_one(impls[0], args, rank, size)
         _write(args.out, impls[0], args, rank, size, results, info, None)

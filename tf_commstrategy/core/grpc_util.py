@@ -16,6 +16,7 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import grpc
 
+from .. import config
 from ..errors import ConfigurationError, RendezvousError
 
 log = logging.getLogger("tf_commstrategy")
@@ -66,10 +67,10 @@ class TlsConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Optional["TlsConfig"]:
         """``TFCS_TLS_CERT`` / ``TFCS_TLS_KEY`` / ``TFCS_TLS_CA`` (+ ``TFCS_TLS_SERVER_NAME``), or None."""
-        cert, key, ca = (env.get(f"TFCS_TLS_{k}") or "" for k in ("CERT", "KEY", "CA"))
+        cert, key, ca, server_name = config.tls_files_from_env(env)
         if not (cert or key or ca):
             return None
-        return cls.from_paths(cert, key, ca, env.get("TFCS_TLS_SERVER_NAME"))
+        return cls.from_paths(cert, key, ca, server_name)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
@@ -93,7 +94,8 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES):
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        # Large HTTP/2 frames and BDP probing let one stream fill the pipe (measured, docs/benchmarks.md).
+        # Large HTTP/2 frames and BDP probing let one stream fill the pipe: the default 16 KiB frames and
+        # fixed window cap a stream's rate on a link with any delay.
         ("grpc.http2.max_frame_size", 16 << 20),
         ("grpc.http2.bdp_probe", 1),
         # Channels to the same peer must not be shared between our independent streams.

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def worker_env(base: dict, rank: int, n: int, coordinator: str, args, restart: int = 0) -> dict:
     env = dict(base)
     env.update({"TFCS_RANK": str(rank), "TFCS_WORLD_SIZE": str(n), "TFCS_LOCAL_RANK": str(rank),
-                "TFCS_LOCAL_SIZE": str(n), "TFCS_COORDINATOR": coordinator, "PYTHONUNBUFFERED": "1",
+                "TFCS_COORDINATOR": coordinator, "PYTHONUNBUFFERED": "1",
                 "TFCS_RESTART_COUNT": str(restart)})
     if args.backend:
         env["TFCS_BACKEND"] = args.backend

@@ -30,6 +30,7 @@ import os
 import re
 from typing import Mapping, Optional
 
+from .. import config
 from ..errors import ConfigurationError
 
 DEFAULT_SLURM_BASE_PORT = 29400
@@ -158,10 +159,8 @@ def _int(env, name):
 
 
 def _from_tfcs(env):
-    if "TFCS_RANK" in env and "TFCS_WORLD_SIZE" in env:
-        return (_int(env, "TFCS_RANK"), _int(env, "TFCS_WORLD_SIZE"),
-                _int(env, "TFCS_LOCAL_RANK") if "TFCS_LOCAL_RANK" in env else None, None, "TFCS_*")
-    return None
+    found = config.tfcs_cluster_from_env(env)
+    return None if found is None else (*found, None, "TFCS_*")
 
 
 def _from_tf_config(env):
@@ -208,12 +207,11 @@ def _from_slurm(env):
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if nodes:
         host = first_slurm_host(nodes)
-        if env.get("TFCS_COORDINATOR_PORT"):
-            port = _int(env, "TFCS_COORDINATOR_PORT")
-        elif env.get("MASTER_PORT"):
+        port = config.coordinator_port_from_env(env)
+        if port is None and env.get("MASTER_PORT"):
             port = _int(env, "MASTER_PORT")
-        else:  # steps of one allocation running at once get different ports; so do consecutive jobs'
-            # steps (job J step s+1 and job J+1 step s, which (job + step) would have put on one port)
+        elif port is None:  # steps of one allocation running at once get different ports; so do consecutive
+            # jobs' steps (job J step s+1 and job J+1 step s, which (job + step) would have put on one port)
             job = _int(env, "SLURM_JOB_ID") if env.get("SLURM_JOB_ID") else 0
             step = _int(env, "SLURM_STEP_ID") if env.get("SLURM_STEP_ID", "").isdigit() else 0
             port = DEFAULT_SLURM_BASE_PORT + (37 * job + step) % 1000
@@ -307,7 +305,7 @@ def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None
     lr = local_rank if local_rank is not None else (None if rank is not None else src_local)
     if lr is None and n == 1:
         lr = 0
-    coord = coordinator or env.get("TFCS_COORDINATOR") or src_coord
+    coord = coordinator or config.coordinator_from_env(env) or src_coord
     if explicit:
         source = "init() arguments" if rank is not None and world_size is not None else source
     return ClusterSpec(rank=r, world_size=n, local_rank=None if lr is None else int(lr), coordinator=coord, source=source).validate()
