@@ -1,11 +1,12 @@
 """tf_commstrategy: data-parallel training across worker processes for TensorFlow / tf_keras.
 
-Layers (data flows downwards only):
+Layers (data flows downwards only; docs/architecture.md, checked by tests/unit/test_layers.py):
 
 * Keras callbacks (``tf_commstrategy.callbacks``)
 * the TF layer: ``CommStrategy``, its cross-device ops, tensor conversion (``tf_commstrategy.tf``)
-* the collective core (``tf_commstrategy.core``, ``backends``, ``rendezvous``): numpy / cupy buffers,
-  no TensorFlow import.
+* the direct API (``collectives``, ``process``, ``process_group``): numpy / cupy buffers
+* ``backends``, ``rendezvous`` and the collective core (``core``): no TensorFlow import
+* ``config`` and ``errors``
 
 Importing this package does not import TensorFlow; the TF layer loads on first use:
 ``tfcs.CommStrategy``, ``tfcs.CommOptions``, ``tfcs.unwrap_errors`` and ``tfcs.callbacks`` are
