@@ -5,10 +5,9 @@ larger than its mmap threshold with fresh ``mmap`` calls, and gives the free spa
 heap back to the kernel once it exceeds its trim threshold. It adapts both thresholds as the process
 runs, but only up to twice the largest block it has freed so far: a step that frees more than that
 at once returns it all to the kernel, and the next step faults every page of it back in, zeroed.
-Measured with 2 workers training the reference CNN on 2 cores (docs/benchmarks.md): from 1 to 690
-page faults per step under CommStrategy depending on the process's history, with up to 3 ms per
-step in the kernel (the independent processes of the ceiling: 11-575), against at most 2.4 faults per
-step with the thresholds below.
+How many page faults a step then takes depends on the process's history (what it freed before), so
+step times vary from run to run; with the thresholds below the heap is reused and a step takes almost
+none (docs/benchmarks.md).
 
 Policy ``"auto"`` (the default): raise the mmap threshold to glibc's maximum (32 MiB: blocks up to
 that size are reused from the heap) and the trim threshold to ``TRIM_BYTES`` (free space up to that

@@ -309,8 +309,8 @@ class Bell:
     """A futex word in a segment: ``ring`` bumps and wakes, ``wait`` sleeps until it moves.
 
     The word after it ([4, 8) of the segment) counts the threads asleep on the bell, so ``ring`` makes
-    the wake-up syscall only when someone sleeps (most waits end while spinning or yielding: the
-    syscall for nobody cost ~4 us, six of them per small all-reduce with 4 ranks). Both counters
+    the wake-up syscall only when someone sleeps (most waits end while spinning or yielding, and a
+    small all-reduce rings several bells: a syscall each would cost more than the reduction). Both counters
     change by sequentially consistent atomics, which order them: either the ringer sees the sleeper's
     count, or the sleeper's ``futex`` call sees the bumped word and returns at once.
     """

@@ -4,14 +4,13 @@
 several devices ahead of time. A worker with a single CPU replica has nowhere to copy to, and pays for
 it twice:
 
-* per step, the remote function calls and buffers of the multi-device iterator (about 0.5-1 ms of a
-  7 ms step of the reference CNN on one core);
+* per step, the remote function calls and buffers of the multi-device iterator (a noticeable part of
+  a short CPU step);
 * once, but for the rest of the process: the iterator is built on a ``GeneratorDataset``, whose kernel
   sets glibc's ``M_MMAP_THRESHOLD`` to 128 KiB on Python 3.11 (TensorFlow's workaround for a
   ``from_generator`` memory growth, ``ApplyPython311MemoryPatch``). From then on every larger
-  ``malloc`` is a fresh ``mmap`` whose pages fault in on first touch: measured, 2,043 page faults per
-  step of the reference CNN under CommStrategy (numpy buffers of the gradient all-reduce and the
-  tensors made from them), against 12 with this module.
+  ``malloc`` is a fresh ``mmap`` whose pages fault in on first touch: thousands of page faults per
+  step under CommStrategy (numpy buffers of the gradient all-reduce and the tensors made from them).
 
 For such workers the strategy hands ``input_lib`` options of the ``PlainIteratorOptions`` type, and the
 per-worker iterator becomes a plain ``tf.data`` iterator over the same sharded, rebatched dataset.
@@ -27,9 +26,8 @@ It also makes such an iterator's type specs once instead of at every step. ``tf_
 iterator to its train function at every step, and ``tf.function`` flattens it by its type spec: the
 ``DistributedIterator``'s, that spec's component specs (one ``_SingleWorkerDatasetIteratorSpec`` per
 worker, whose constructor parses and canonicalizes device names) and the per-worker iterator's own. All
-three are rebuilt at each access from values an iterator never changes; measured on the 2-core VM, a
-``tf.function`` call with the distributed iterator took 455 us against 349 us with a plain ``tf.data``
-iterator, and 388 us with the specs made once (docs/benchmarks.md, nineteenth session).
+three are rebuilt at each access from values an iterator never changes, which costs a noticeable part
+of a short step's ``tf.function`` call.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 TensorFlow sizes its intra-op and inter-op pools to every core of the machine. With several workers on
 one host, each one then runs as many busy threads as there are cores: the pools oversubscribe the CPU
-and a step waits for descheduled shards. Measured on a 2-core host with 2 workers training the reference
-CNN: 34.5 ms per step with TF's defaults, 15 ms with one thread per pool (docs/benchmarks.md). torchrun
-sets ``OMP_NUM_THREADS=1`` for the same reason; ``CommStrategy`` does the equivalent for TensorFlow.
+and a step waits for descheduled shards (docs/benchmarks.md has the step times). torchrun sets
+``OMP_NUM_THREADS=1`` for the same reason; ``CommStrategy`` does the equivalent for TensorFlow.
 
 Policy ``"auto"`` (the default): when ``local_size`` workers share this host, each gets
 ``max(1, cores // local_size)`` intra-op and inter-op threads, where ``cores`` counts the CPUs this

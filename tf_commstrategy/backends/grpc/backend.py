@@ -23,10 +23,9 @@ from .ring_link import SINGLE, CollectiveLink
 
 log = logging.getLogger("tf_commstrategy")
 
-#: in a job holding shared arrays, in-place all-reduces of more than this many bytes try the direct path
-#: (smaller ones take the one-round path of the shared all-reduce buffers, which is faster there). 2 ranks:
-#: 8 B 35 us direct, 29 us one-round; 16 KiB 37 vs 34; 64 KiB 41 vs 43; 256 KiB 58 us direct, 90 us ring.
-#: 4 ranks on 2 cores: 16 KiB 223 us direct, 193 us one-round; 64 KiB 235 vs 237; 256 KiB 317 vs 421
+#: in a job holding shared arrays, in-place all-reduces of more than this many bytes try the direct path;
+#: smaller ones take the one-round path of the shared all-reduce buffers, whose one copy in costs less than
+#: the direct path's handshake (the limit is the one-round path's own, shm_fusion.SMALL_BYTES)
 DIRECT_ABOVE_BYTES = 64 << 10
 #: data area of the flag segments made for shared arrays when there are no fusion buffers (unused data)
 DIRECT_FLAGS_BYTES = 4096
@@ -143,11 +142,12 @@ class GrpcRingBackend(Backend):
         fusion_state = None  # what became of the shared all-reduce buffers, when the job planned them
         if all(k == "shm" for k in kinds) and self.size >= 2:
             # every rank shares this host's memory: all-reduce through shared buffers, not the ring. With
-            # 2 ranks only the small ones (their one-round path; measured 8 B: 29 us instead of the ring's
-            # 44): above that the ring moves less (it copies 1.5x the buffer, the shared buffers 2x;
-            # measured 4 MiB: 0.48-0.64 ms ring, 0.69-0.81 ms buffers); with 4 ranks the buffers win at
-            # every size (2.31 vs 2.68 ms at 4 MiB). From 4 MiB, at any world size, cross-memory reads of
-            # the peers' arrays beat both where the kernel allows them (_setup_cma)
+            # 2 ranks only the small ones (their one-round path: one wake-up instead of a ring's two steps);
+            # above that the 2-rank ring moves less (it copies 1.5x the buffer, the shared buffers 2x);
+            # from 3 ranks the ring's copies grow with the ranks and the buffers' do not. Large
+            # all-reduces, at any world size, read the peers' arrays by cross-memory reads where the
+            # kernel allows them (_setup_cma): fewer bytes through memory than either
+            # (docs/backends.md, the table of host paths)
             spin = shared_memory.spin_seconds(self.size)
             links_problem = self._ring.shm_problem()
             fusion_bytes = config.shm_fusion_bytes_from_env()

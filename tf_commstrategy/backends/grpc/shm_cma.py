@@ -5,13 +5,13 @@ kernel copy, with no shared segment in between. With every rank on one host it l
 ordinary (private) numpy arrays skip the ring's staging copies: rank r reads the peers' r-th segment
 into a small buffer of its own, reduces it into its own array, and then reads every other reduced
 segment straight from its owner's array (``FusionBuffers.direct``). With 2 ranks that is 3.5 bytes of
-memory traffic per byte of the array instead of the staged ring's 4.5 (measured 2 ranks, 256 MiB:
-58 ms instead of 91 ms).
+memory traffic per byte of the array instead of the staged ring's 4.5: large all-reduces are bound
+by memory bandwidth.
 
 The kernel allows it only where the reader may ptrace the target (same user, and the Yama LSM's
 ``ptrace_scope`` at 0, or at 1 with the target naming the reader: done for the one peer of a 2-rank
 job; no seccomp filter refusing the call, as some container runtimes install). Whether it works is
-therefore *measured*, not assumed: at setup every rank publishes a random token's address over the
+therefore *tried*, not assumed: at setup every rank publishes a random token's address over the
 authenticated store, every rank reads every peer's token, and the path is used only if every rank
 read every token (``probe``). ``TFCS_SHM_CMA=0`` turns
 it off; any other size is the smallest all-reduce that takes it.

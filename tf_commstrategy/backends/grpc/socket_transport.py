@@ -3,9 +3,9 @@
 gRPC stays the control plane (rendezvous, abort, addresses); only the chunk stream to the right
 neighbour moves here, framed as on the gRPC path (``wire``) plus the payload length.
 
-Both ends run in the calling thread, as the shared-memory path does (measured: one thread with
-non-blocking sockets beat a sender and a receiver thread per connection, whose hand-offs under the
-GIL dominated mid-size messages):
+Both ends run in the calling thread, as the shared-memory path does: a sender and a receiver thread per
+connection would hand every frame over under the GIL, which costs more than the frame for mid-size
+messages:
 
 * send (``SocketSender``): ``sendmsg`` of header, signature, length and the array's own memory (no
   copy), non-blocking; what does not fit in the socket buffer is queued and written by ``pump``, which

@@ -283,7 +283,7 @@ class Communicator:
                     fix="check that every rank makes the same collectives and that no rank is stuck; raise "
                         "timeout= (or TFCS_TIMEOUT) for very large transfers")
             if now - start < SPIN_S:
-                os.sched_yield()  # lets other threads run (the GIL is released); time.sleep(0) can last 90 us
+                os.sched_yield()  # lets other threads run (the GIL is released); time.sleep(0) can sleep a whole timer slack
                 continue
             time.sleep(delay)
             delay = min(POLL_MAX_S, delay * 2 if delay else 2e-5)
