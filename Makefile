@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup test test-slow test-netns demo bench docs clean settings-table
+.PHONY: setup test test-bench test-slow test-netns demo bench docs clean settings-table
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,11 @@ setup: $(STAMP)
 
 # The default suite: unit + multiprocess tests, no slow/soak/GPU/netns tests.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu and not netns" -n 2 tests
+	$(BIN)/python -m pytest -m "not slow and not gpu and not netns and not bench" -n 2 tests
+
+# Tests of the benchmark tooling (tfcs-bench, benchmarks/keras_throughput.py); a separate CI step.
+test-bench: $(STAMP)
+	$(BIN)/python -m pytest -m "bench and not slow and not gpu" -n 2 tests
 
 # Slow and soak tests; CI runs them in a separate, time-bounded step.
 test-slow: $(STAMP)

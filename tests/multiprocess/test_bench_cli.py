@@ -11,6 +11,8 @@ from tests.helpers import ROOT, cross_memory_max_ranks
 from tf_commstrategy.bench.cli import bus_factor
 from tf_commstrategy.bench.workers import iterations
 
+pytestmark = pytest.mark.bench
+
 
 def test_bus_bandwidth_factors_follow_nccl_tests():
     assert bus_factor("allreduce", 2) == 1.0

@@ -15,6 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "benchmarks", "keras_throughput.py")
 STEPS, BLOCKS = 5, 2
 
+pytestmark = pytest.mark.bench
+
 
 @pytest.mark.timeout(300)
 def test_paired_job_alternates_strategy_and_ceiling_blocks(tmp_path):

@@ -9,6 +9,8 @@ from tf_commstrategy.bench import workers
 
 TICK = 1e-6
 
+pytestmark = pytest.mark.bench
+
 
 class FakeClock:
     def __init__(self):
