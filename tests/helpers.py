@@ -137,7 +137,7 @@ def cross_memory_max_ranks() -> int:
     syscall) or by Yama's ptrace_scope 3 (or 2 without CAP_SYS_PTRACE); 2 under ptrace_scope 1 (the
     ranks of a 2-rank job name each other; bigger jobs fall back by design); else any number."""
     import numpy as np
-    from tf_commstrategy.backends.grpc import shm_cma
+    from tf_commstrategy.backends.host import shm_cma
     try:
         shm_cma.read_array(os.getpid(), np.ones(1).ctypes.data, np.empty(1))
     except (OSError, AttributeError):

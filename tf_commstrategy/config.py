@@ -122,7 +122,10 @@ def parse_count(text: str) -> int:
     Raises:
       ValueError: anything else.
     """
-    v = int(str(text).strip())
+    try:
+        v = int(str(text).strip())
+    except ValueError:
+        raise ValueError("not an integer") from None
     if v < 0:
         raise ValueError("must be >= 0")
     return v
@@ -294,7 +297,7 @@ def shm_cma_bytes_from_env(environ=None) -> int:
     return env_value("TFCS_SHM_CMA", parse_size, DEFAULT_SHM_CMA_BYTES, environ)
 
 
-def shm_fusion_bytes_from_env(environ=None) -> int:
+def shm_buffers_bytes_from_env(environ=None) -> int:
     """``TFCS_SHM_FUSION_BYTES``: size of each rank's shared-memory all-reduce buffer when every rank of
     the job shares one host's memory (default 8 MiB; 0 turns the shared-buffer all-reduce off and keeps
     the ring). Larger all-reduces go through it in pieces of this size.

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import (allreduce_until_killed, cross_memory_max_ranks, leaked_shm_segments, rank_values,
                            reduced_reference, refill_and_allreduce, run_workers)
-from tf_commstrategy.backends.grpc import shm_cma as M_cma
+from tf_commstrategy.backends.host import shm_cma as M_cma
 from tf_commstrategy.core import shared_memory as M
 
 pytestmark = pytest.mark.skipif(M.available() is not None, reason=f"no shared memory here: {M.available()}")
@@ -121,7 +121,7 @@ def test_back_to_back_allreduces_with_new_values_keep_every_call_apart(size, env
 
 def _agreement(rank, size, how):
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import shm_cma
+    from tf_commstrategy.backends.host import shm_cma
     from tf_commstrategy.process import default_group
     if how == "one-off" and rank == 1:
         os.environ["TFCS_SHM_CMA"] = "0"

@@ -229,7 +229,7 @@ def test_a_rank_whose_deadline_comes_after_rank_0s_still_learns_which_ranks_are_
 
 def _init_fails_then_again(rank, size):
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import transport
+    from tf_commstrategy.backends.host import transport
     server = transport.DataServer
     if rank == 1:  # this rank's data server cannot start (say, no free port): init fails after the rendezvous
         def broken(*a, **k):

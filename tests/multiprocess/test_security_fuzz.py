@@ -24,8 +24,8 @@ def _job(rank, size, outdir):
     from tf_commstrategy.process import default_group
     tfcs.init()
     b = default_group().backend("grpc")
-    info = {"coordinator": os.environ["TFCS_COORDINATOR"], "data": b._addresses[rank],
-            "sock": b._socket_servers["unix"].address if "unix" in b._socket_servers else None}
+    info = {"coordinator": os.environ["TFCS_COORDINATOR"], "data": b.peers.addresses[rank],
+            "sock": b.layout.socket_servers["unix"].address if "unix" in b.layout.socket_servers else None}
     with open(os.path.join(outdir, f"addr{rank}.json.tmp"), "w") as f:
         json.dump(info, f)
     os.replace(os.path.join(outdir, f"addr{rank}.json.tmp"), os.path.join(outdir, f"addr{rank}.json"))
@@ -93,7 +93,7 @@ def _mutations(rng, seed_msgs, n):
 @pytest.mark.timeout(300)
 def test_no_token_wrong_token_and_fuzzed_requests_are_rejected_while_a_job_runs(tmp_path):
     import threading
-    from tf_commstrategy.backends.grpc import socket_transport, wire
+    from tf_commstrategy.backends.host import socket_transport, wire
     results = {}
     t = threading.Thread(target=lambda: results.update(
         # unix sockets (not the default shared memory) so that the raw-socket server is up to be fuzzed too;

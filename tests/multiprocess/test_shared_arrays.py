@@ -10,7 +10,7 @@ import pytest
 from tests.helpers import (allreduce_until_killed, leaked_shm_segments, rank_values, reduced_reference,
                            refill_and_allreduce, run_workers)
 from tf_commstrategy.core import shared_memory as M
-from tf_commstrategy.backends.grpc.backend import DIRECT_ABOVE_BYTES
+from tf_commstrategy.backends.host.layout import DIRECT_ABOVE_BYTES
 
 pytestmark = pytest.mark.skipif(M.available() is not None, reason=f"no shared memory here: {M.available()}")
 

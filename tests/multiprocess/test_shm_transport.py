@@ -20,7 +20,7 @@ def _small_shm(rank, size, only_kind=None):
     import time
     import logging
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import shm_transport
+    from tf_commstrategy.backends.host import shm_transport
     from tf_commstrategy.core import shared_memory
     from tf_commstrategy.process import default_group
     warnings, reports = [], []
@@ -51,7 +51,7 @@ def _small_shm(rank, size, only_kind=None):
     tfcs.init()
     got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
     b = default_group().backend("grpc")
-    return (b.transport, isinstance(b._ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(), warnings,
+    return (b.transport, isinstance(b.layout.ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(), warnings,
             b.stats().allreduce_path, reports)
 
 
@@ -92,7 +92,7 @@ def _no_bell_mapping(rank, size):
     import errno
     import logging
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import shm_transport
+    from tf_commstrategy.backends.host import shm_transport
     from tf_commstrategy.core import shared_memory
     from tf_commstrategy.process import default_group
     warnings = []
@@ -112,7 +112,7 @@ def _no_bell_mapping(rank, size):
     tfcs.init(transport="shm", timeout=30)
     got = tfcs.allreduce(np.arange(300_000, dtype=np.float64) * (rank + 1))
     b = default_group().backend("grpc")
-    return b.transport, isinstance(b._ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(), warnings
+    return b.transport, isinstance(b.layout.ring.inbound, shm_transport.ShmReceiver), got[-3:].tolist(), warnings
 
 
 def test_a_neighbours_bell_that_cannot_be_mapped_falls_back_to_unix_sockets():
@@ -203,7 +203,7 @@ def test_shutdown_unmaps_every_shared_memory_segment(fusion_bytes):
 
 def _neighbour_stalls_in_setup(rank, size, where):
     import tf_commstrategy as tfcs
-    from tf_commstrategy.backends.grpc import shm_fusion, shm_transport
+    from tf_commstrategy.backends.host import shm_buffers, shm_transport
     if rank == 1:  # reaches the shared-memory setup and never publishes its segments
         def stall(*a, **k):
             time.sleep(8)
@@ -211,7 +211,7 @@ def _neighbour_stalls_in_setup(rank, size, where):
         if where == "links":
             shm_transport.ShmLinks.__init__ = stall
         else:
-            shm_fusion.FusionBuffers.create = stall
+            shm_buffers.SharedBuffers.create = stall
     try:
         tfcs.init(transport="shm", rendezvous_timeout=3)
         return "no error", []

@@ -5,7 +5,7 @@ import time
 
 import grpc
 
-from tf_commstrategy.backends.grpc.liveness import Watchdog
+from tf_commstrategy.backends.host.liveness import Watchdog
 from tf_commstrategy.errors import PeerLostError
 
 

@@ -15,7 +15,7 @@ from tf_commstrategy.core import ring
 from tf_commstrategy.core.reduce_ops import ReduceOp
 
 
-class MemLink:
+class MemLink(ring.RingLink):
     def __init__(self, rank, size, inboxes):
         self.rank, self.size, self._in = rank, size, inboxes
         self.sent = 0
@@ -162,7 +162,7 @@ def test_low_precision_small_path_accumulates_in_float32():
         np.testing.assert_array_equal(o.astype(np.float64), [2050.0] * 3)
 
 
-class _HostRingLink:
+class _HostRingLink(ring.RingLink):
     """Position 1 of a 2-rank ring whose members are job ranks 4 and 6 (a hierarchical leader ring):
     the left neighbour sends a chunk one element short."""
     rank, size, seq, global_rank, left_rank = 1, 2, 17, 6, 4

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tf_commstrategy.backends.grpc import setup_report as R
+from tf_commstrategy.backends.host import setup_report as R
 
 
 class _Ring:

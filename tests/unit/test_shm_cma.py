@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from tf_commstrategy.backends.grpc import shm_cma
+from tf_commstrategy.backends.host import shm_cma
 from tf_commstrategy.errors import RendezvousError
 
 

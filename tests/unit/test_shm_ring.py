@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tf_commstrategy.core import shared_memory as M
-from tf_commstrategy.backends.grpc import shm_transport as S
+from tf_commstrategy.backends.host import shm_transport as S
 from tf_commstrategy.errors import PeerLostError
 
 pytestmark = pytest.mark.skipif(M.available() is not None, reason=f"no shared memory here: {M.available()}")
@@ -206,7 +206,7 @@ def test_links_opened_before_a_failure_while_connecting_are_closed(monkeypatch):
     # the shared-memory receiver is set up, then connecting to the right neighbour fails (its address
     # never appears): the ring closes what it had opened before the error goes up
     from types import SimpleNamespace
-    from tf_commstrategy.backends.grpc import links as L
+    from tf_commstrategy.backends.host import links as L
     from tf_commstrategy.errors import RendezvousError
     closed = []
 
@@ -297,7 +297,7 @@ def test_a_neighbour_killed_during_setup_leaves_no_segment_once_the_survivor_rai
     import subprocess
     import sys
     from tf_commstrategy.errors import RendezvousError
-    code = ("import sys, time; from tf_commstrategy.core import shared_memory as M; from tf_commstrategy.backends.grpc import shm_transport as S; "
+    code = ("import sys, time; from tf_commstrategy.core import shared_memory as M; from tf_commstrategy.backends.host import shm_transport as S; "
             "b = M.Segment.create(M.BELL_BYTES, 'bell'); r = M.Segment.create(S.ring_bytes(1 << 16), 'ring'); "
             "print(b.path, r.path, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -62,9 +62,9 @@ def test_ring_allreduce_over_spans_matches_numpy(size, op, in_place):
             np.testing.assert_allclose(got[r][i], want, rtol=1e-12, atol=1e-12)
 
 
-def test_shm_fusion_bytes_setting():
-    assert config.shm_fusion_bytes_from_env({}) == config.DEFAULT_SHM_FUSION_BYTES
-    assert config.shm_fusion_bytes_from_env({"TFCS_SHM_FUSION_BYTES": "0"}) == 0
-    assert config.shm_fusion_bytes_from_env({"TFCS_SHM_FUSION_BYTES": "64K"}) == 65536
+def test_shm_buffers_bytes_setting():
+    assert config.shm_buffers_bytes_from_env({}) == config.DEFAULT_SHM_FUSION_BYTES
+    assert config.shm_buffers_bytes_from_env({"TFCS_SHM_FUSION_BYTES": "0"}) == 0
+    assert config.shm_buffers_bytes_from_env({"TFCS_SHM_FUSION_BYTES": "64K"}) == 65536
     with pytest.raises(ConfigurationError, match="TFCS_SHM_FUSION_BYTES"):
-        config.shm_fusion_bytes_from_env({"TFCS_SHM_FUSION_BYTES": "lots"})
+        config.shm_buffers_bytes_from_env({"TFCS_SHM_FUSION_BYTES": "lots"})

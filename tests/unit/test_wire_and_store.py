@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from tf_commstrategy.backends.grpc import wire
+from tf_commstrategy.backends.host import wire
 from tf_commstrategy.errors import PeerLostError, RendezvousError
 from tf_commstrategy.rendezvous.coordinator import CoordinatorClient, CoordinatorServer
 from tests.helpers import free_port

@@ -1,12 +1,7 @@
 """Ring algorithms over a link to the two ring neighbours, independent of the transport.
 
-A *link* sends to the right neighbour ((rank + 1) % size) and receives from the left one::
-
-    link.rank, link.size
-    link.send(key, payload_uint8_view)   # copies (or writes) the bytes before returning
-    link.recv(key) -> bytes-like         # blocks until that key arrives (deadline inside the link)
-
-``key`` is ``(step, chunk)``; the link adds the collective's sequence number and signature.
+A *link* (``RingLink``) sends to the right neighbour ((rank + 1) % size) and receives from the left
+one; ``key`` is ``(step, chunk)``, and the link adds the collective's sequence number and signature.
 
 Every ring step moves at least one message (an empty chunk for empty segments), so ranks that
 disagree about a collective meet a signature check on the very first message.
@@ -18,12 +13,65 @@ transfer of the next ones and the whole all-reduce is one stream of chunk sends 
 
 from __future__ import annotations
 
+import abc
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError
 from .reduce_ops import ReduceOp, combine_into, combine_to, finish_mean, needs_wide_accumulator, reduce_in_rank_order
+
+
+class RingLink(abc.ABC):
+    """What the ring algorithms talk to: this rank's place in one ring and its two neighbours.
+
+    Attributes:
+      rank: this rank's position in the ring; ``size``: the ring's length.
+      seq: the collective's number, for error messages (None: none).
+    """
+
+    rank: int
+    size: int
+    seq: Optional[int] = None
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's rank in the job (differs from ``rank`` on a ring of some of the job's ranks)."""
+        return self.rank
+
+    @property
+    def left_rank(self) -> int:
+        """The left neighbour's rank in the job."""
+        return (self.rank - 1) % self.size
+
+    @abc.abstractmethod
+    def send(self, key: Tuple[int, int], payload) -> None:
+        """Send ``payload`` (a uint8 view) to the right neighbour; copies or writes it before returning."""
+
+    @abc.abstractmethod
+    def recv(self, key: Tuple[int, int]):
+        """The bytes the left neighbour sent for ``key``; blocks until they arrive (the link's deadline)."""
+
+    def recv_into(self, key: Tuple[int, int], dst: np.ndarray):
+        """The payload for ``key``, read straight into ``dst`` (uint8) where the link can; the array
+        returned is then ``dst``, else the caller copies it. By default it cannot."""
+        return self.recv(key)
+
+
+class _Single(RingLink):
+    """The link of a world of one: ring functions then do no communication at all."""
+
+    rank, size = 0, 1
+
+    def send(self, key, payload) -> None:
+        raise AssertionError("a world of one sends nothing")
+
+    def recv(self, key):
+        raise AssertionError("a world of one receives nothing")
+
+
+#: the link of every collective in a world of one
+SINGLE = _Single()
 
 
 def chunk_ranges(lo: int, hi: int, chunk_elems: int, cuts: Sequence[int] = ()) -> List[Tuple[int, int]]:
@@ -87,17 +135,15 @@ def _as_bytes(a: np.ndarray):
 def _incoming(link, key, dtype, expect: int, into: Optional[np.ndarray] = None) -> np.ndarray:
     """The chunk for ``key`` as an array of ``dtype``; with ``into`` (its destination) a link that can
     (``recv_into``: a raw socket) reads it straight there, and the array returned is then ``into``."""
-    recv_into = getattr(link, "recv_into", None) if into is not None and into.size else None
-    payload = recv_into(key, into.view(np.uint8)) if recv_into is not None else link.recv(key)
+    payload = link.recv_into(key, into.view(np.uint8)) if into is not None and into.size else link.recv(key)
     arr = np.frombuffer(payload, dtype=dtype)
     if arr.size != expect:
-        # job ranks where the link knows them (on a hierarchical host or leader ring the positions differ)
-        left = getattr(link, "left_rank", (link.rank - 1) % link.size)
-        seq = getattr(link, "seq", None)
+        # job ranks (on a hierarchical host or leader ring the positions differ)
+        left, seq = link.left_rank, link.seq
         raise CollectiveMismatchError(
             (f"collective #{seq}: " if seq is not None else "")
             + f"received {arr.size} elements for step {key[0]} chunk {key[1]} from rank {left}, expected {expect}",
-            rank=getattr(link, "global_rank", link.rank), seq=seq, remote_rank=left,
+            rank=link.global_rank, seq=seq, remote_rank=left,
             fix="every rank must pass buffers of the same shape and dtype")
     return arr
 

@@ -15,7 +15,7 @@
   ``pid_alive`` and ``reported_cause`` tell a dead peer from one that reported its own failure.
 
 Used by the ring's shared-memory links (``shm_transport``) and the shared all-reduce buffers
-(``shm_fusion``).
+(``shm_buffers``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Optional
 import numpy as np
 
 from .. import config
+from . import cpus
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -49,7 +50,7 @@ SPIN_S = 50e-6   # busy wait before sleeping, when every rank of this host has a
 def spin_seconds(ranks_on_host: int) -> float:
     """How long a wait spins before it sleeps: ``SPIN_S`` when every rank of this host has a core (a
     spin then only burns an idle core), 0 when ranks outnumber cores (it would delay the rank waited for)."""
-    return SPIN_S if (os.cpu_count() or 1) >= ranks_on_host else 0.0
+    return SPIN_S if cpus.usable_cores() >= ranks_on_host else 0.0
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "i386": 240, "i686": 240,

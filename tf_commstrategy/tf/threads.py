@@ -7,7 +7,7 @@ and a step waits for descheduled shards (docs/benchmarks.md has the step times).
 
 Policy ``"auto"`` (the default): when ``local_size`` workers share this host, each gets
 ``max(1, cores // local_size)`` intra-op and inter-op threads, where ``cores`` counts the CPUs this
-process may run on (its affinity mask, which Slurm and container limits narrow). Nothing changes when a
+process may use (``core.cpus``: its affinity mask and a cgroup CPU quota). Nothing changes when a
 worker has the host to itself, when the user already chose (``TF_NUM_INTRAOP_THREADS`` /
 ``TF_NUM_INTEROP_THREADS``, or ``tf.config.threading`` before the strategy was built), or with ``"off"``.
 
@@ -26,6 +26,7 @@ from typing import Mapping, Optional, Union
 import tensorflow as tf
 
 from ..config import tf_threads_from_env
+from ..core import cpus
 from ..errors import ConfigurationError
 
 log = logging.getLogger("tf_commstrategy")
@@ -38,14 +39,6 @@ class ThreadPlan:
     """What the policy decided: ``threads`` per pool (None: leave TF's sizes) and why."""
     threads: Optional[int]
     reason: str
-
-
-def available_cores() -> int:
-    """CPUs this process may run on (its affinity mask), else ``os.cpu_count()``."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def plan(setting: Union[str, int, None], local_size: int, cores: int,
@@ -130,7 +123,7 @@ def configure(setting: Union[str, int, None], local_size: int, rank: int) -> Thr
     Raises:
       ConfigurationError: an invalid setting.
     """
-    p = plan(setting, local_size, available_cores())
+    p = plan(setting, local_size, cpus.usable_cores())
     if p.threads is None:
         log.debug("tf_commstrategy rank %d: TensorFlow thread pools %s", rank, p.reason)
         return p

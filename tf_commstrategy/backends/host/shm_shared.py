@@ -4,7 +4,7 @@
 An all-reduce of private arrays has to copy every rank's input somewhere the peers can read it and
 copy the result back out (the ring's shm links and the shared all-reduce buffers both do). When the
 array the caller reduces in place already lives in shared memory, and every rank passes the same
-allocation, ``FusionBuffers.direct`` needs neither copy: rank r reduces the r-th segment of its own
+allocation, ``SharedBuffers.direct`` needs neither copy: rank r reduces the r-th segment of its own
 array with the r-th segments of the peers' arrays, then copies the other segments from their owners
 (with 2 ranks: 2.5 bytes of memory traffic per input byte instead of the ring's 4.5).
 

@@ -24,6 +24,7 @@ import grpc
 from ...core import grpc_util
 from ...errors import CollectiveAbortedError, CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
 from . import wire
+from .outbound import Outbound
 
 log = logging.getLogger("tf_commstrategy")
 SERVICE = "Data"
@@ -155,7 +156,7 @@ _CLOSE = object()
 RANK_METADATA_KEY = "tfcs-rank"
 
 
-class PeerStream:
+class PeerStream(Outbound):
     """A persistent client stream to one peer's ``Data/Send``."""
 
     def __init__(self, address: str, token: Optional[str], peer_rank: int, my_rank: int, tls=None, describe=None):

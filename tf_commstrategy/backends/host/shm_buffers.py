@@ -93,7 +93,7 @@ SLOT_DATA_AT = 64 + SIG_MAX           # a slot: [0, 64) header (seq, elements, s
 SMALL_PATH_CAPACITY = 2 * (SLOT_DATA_AT + SMALL_BYTES)  # a data area that holds exactly the two slots
 
 
-class FusionBuffers:
+class SharedBuffers:
     """This rank's fusion segment and its mappings of every peer's; runs the all-reduce pieces.
 
     Built by ``create`` (a collective step of the backend's setup); ``None`` there means the ring is
@@ -129,7 +129,7 @@ class FusionBuffers:
     @classmethod
     def create(cls, store, rank: int, size: int, pids: Sequence[int], describe, capacity: int, timeout: float,
                spin_s: float, prefix: str = "shmfuse",
-               known_problem: Optional[str] = None) -> Tuple[Optional["FusionBuffers"], Optional[str]]:
+               known_problem: Optional[str] = None) -> Tuple[Optional["SharedBuffers"], Optional[str]]:
         """Every rank of the job calls this at the same point of its setup.
 
         Returns:

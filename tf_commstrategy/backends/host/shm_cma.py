@@ -4,7 +4,7 @@ Linux's ``process_vm_readv`` copies bytes from another process of the same user 
 kernel copy, with no shared segment in between. With every rank on one host it lets an all-reduce of
 ordinary (private) numpy arrays skip the ring's staging copies: rank r reads the peers' r-th segment
 into a small buffer of its own, reduces it into its own array, and then reads every other reduced
-segment straight from its owner's array (``FusionBuffers.direct``). With 2 ranks that is 3.5 bytes of
+segment straight from its owner's array (``SharedBuffers.direct``). With 2 ranks that is 3.5 bytes of
 memory traffic per byte of the array instead of the staged ring's 4.5: large all-reduces are bound
 by memory bandwidth.
 

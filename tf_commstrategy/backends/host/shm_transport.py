@@ -48,6 +48,7 @@ import numpy as np
 from ...errors import CollectiveTimeoutError, PeerLostError
 from ...core.shared_memory import (BELL_BYTES, HEADER_BYTES, SHM_DIR, SLICE_S, YIELD_S, Bell, Segment, align, available, fence,
                          free_mib, pid_alive, remove_stale_segments, reported_cause)
+from .outbound import Outbound
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -84,7 +85,7 @@ class _Waiter:
         spin_end = time.monotonic() + self.spin_s
         while True:
             seen = self.bell.value()
-            fence()  # read the bell before the data's state (see shm_fusion)
+            fence()  # read the bell before the data's state (see shm_buffers)
             busy = pump() if pump is not None else False
             if ready():
                 return True
@@ -118,10 +119,12 @@ class _RingEnd:
         self._data = ring.u8[HEADER_BYTES:]
 
 
-class ShmSender(_RingEnd):
+class ShmSender(_RingEnd, Outbound):
     """Frames to the right neighbour through its ring segment (the ``send_frame`` / ``drain`` interface
     of the socket and gRPC streams). A frame that does not fit yet is queued and written when the
     neighbour frees space: by ``pump`` (called from every wait of this rank) or ``drain``."""
+
+    wakes_on_space = True  # the neighbour rings this rank's bell as it frees space
 
     def __init__(self, ring: Segment, peer_bell: Bell, waiter: _Waiter, my_rank: int, peer_rank: int):
         super().__init__(ring, peer_bell, waiter, my_rank, peer_rank)
@@ -232,8 +235,8 @@ class ShmReceiver(_RingEnd):
         def ready():
             return int(ctl[HEAD]) > self._tail or int(ctl[CLOSED]) != 0
 
-        pump = getattr(outbound, "pump", None)
-        if pump is not None and not hasattr(outbound, "wait_fd"):
+        pump = outbound.pump if outbound is not None else None
+        if outbound is not None and outbound.wakes_on_space:
             # a shared-memory outbound: the neighbour rings our bell when it frees space, so the wait
             # may sleep; only a socket outbound with queued frames needs the short polls
             shm_pump = pump

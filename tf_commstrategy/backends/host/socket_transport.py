@@ -49,6 +49,7 @@ import numpy as np
 from ... import config
 from ...errors import CollectiveTimeoutError, PeerLostError, RendezvousError
 from . import wire
+from .outbound import Outbound
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -300,13 +301,13 @@ def _poll_wait(inbound: Optional[socket.socket], outbound, timeout: float) -> No
     poller = select.poll()
     if inbound is not None:
         poller.register(inbound.fileno(), select.POLLIN)
-    fd = outbound.wait_fd() if outbound is not None and hasattr(outbound, "wait_fd") else None
+    fd = outbound.wait_fd() if outbound is not None else None
     if fd is not None:
         poller.register(fd, select.POLLOUT)
     poller.poll(max(0.0, timeout) * 1000.0)
 
 
-class SocketSender:
+class SocketSender(Outbound):
     """Frames to the right neighbour over a raw socket, written from the calling thread.
 
     ``send_frame`` writes what the socket takes without blocking and queues the rest; ``pump`` (called
@@ -468,7 +469,7 @@ class SocketReceiver:
             if k > 0:
                 self._got += k
                 continue
-            busy = outbound.pump() if outbound is not None and hasattr(outbound, "pump") else False
+            busy = outbound.pump() if outbound is not None else False
             problem = abort() if abort is not None else None
             if problem is not None:
                 raise problem
@@ -476,7 +477,7 @@ class SocketReceiver:
             if left <= 0:
                 return False
             # an outbound with queued frames and no socket to poll (shared memory) is pumped every 0.5 ms
-            pollable = busy and hasattr(outbound, "wait_fd")
+            pollable = busy and not outbound.wakes_on_space
             _poll_wait(self._sock, outbound if pollable else None,
                        min(left, 0.0005 if busy and not pollable else SLICE_S))
         self._got = 0

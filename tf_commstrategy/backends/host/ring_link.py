@@ -11,14 +11,15 @@ from typing import List, Optional
 
 import numpy as np
 
+from ...core.ring import RingLink
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError
 from . import links, socket_transport
 
 
-class CollectiveLink:
+class CollectiveLink(RingLink):
     """core.ring's link for one collective on one ring: adds seq + signature (and the ring's id to the
     step), enforces the deadline. ``rank`` / ``size`` are this rank's position in that ring.
-    ``backend`` is the ``GrpcRingBackend`` running it (its mailbox, shared buffers and ``arrivals``
+    ``backend`` is the ``HostBackend`` running it (its mailbox, shared buffers and ``arrivals``
     explain failures)."""
 
     def __init__(self, backend, ring: "links.RingLinks", seq: int, sig: str, deadline: float,
@@ -47,10 +48,10 @@ class CollectiveLink:
         """What a wait of this collective must raise now: another rank's reported failure, (with shared
         all-reduce buffers) a peer that entered this collective under another signature, or a peer that
         has long been inside a collective of a layer above instead (``ProcessGroup.add_collective_watch``)."""
-        fusion = self._b.fusion
+        flags = self._b.flags
         # the watches first: a peer's shared-memory word that names the cause is there before its abort message
         return (self._watched() or self._b.mailbox.error_now()
-                or (fusion.conflict(self._seq, self._sig_text) if fusion else None))
+                or (flags.conflict(self._seq, self._sig_text) if flags else None))
 
     abort_now = _abort  # for the shared-buffer all-reduce's waits
 
@@ -111,7 +112,7 @@ class CollectiveLink:
 
     def recv(self, key, into=None):
         right = self._ring.stream
-        pump = getattr(right, "pump", None)  # an inline outbound writes queued frames while we wait
+        pump = right.pump if right is not None else None  # an inline outbound writes queued frames meanwhile
         wkey = (self._seq, links.wire_step(self._rid, key[0]), key[1])
         inbound = self._ring.inbound
         if isinstance(inbound, socket_transport.SocketReceiver):  # a raw socket, read in this thread
@@ -143,13 +144,3 @@ class CollectiveLink:
                 fix="every rank must issue the same collectives in the same order with the same op, dtype, "
                     "shape and root")
         return payload
-
-
-class _Single:
-    """The link of a world of one: ring functions then do no communication at all."""
-    rank = 0
-    size = 1
-
-
-#: the link of every collective in a world of one
-SINGLE = _Single()

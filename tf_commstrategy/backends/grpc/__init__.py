@@ -1,1 +1,0 @@
-"""The "grpc" backend: ring collectives over gRPC streams, implemented by this project."""
