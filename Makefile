@@ -5,7 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup test test-bench test-slow test-netns demo bench docs clean settings-table
+.PHONY: setup test test-bench test-slow test-netns demo bench bench-allreduce bench-allreduce-np4 \
+        bench-allreduce-tcp bench-broadcast bench-allgather bench-fit docs clean settings-table
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +35,32 @@ test-netns: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tfcs-run -np 2 $(BIN)/python examples/keras_mnist.py
 
-bench: $(STAMP)
-	$(BIN)/tfcs-bench -np 2 --op allreduce --sizes 8,4K,256K,4M,64M,256M --compare tf-ring,gloo --interleave \
-		--json bench-results/allreduce.json --plot docs/img/allreduce.png
+# Every figure of docs/benchmarks.md: `make bench` runs them all (about 40 minutes on 2 cores), each
+# target one table; the JSON goes to bench-results/, the plots to docs/img/.
+SIZES := 8,4K,256K,4M,64M,256M
+BENCH := $(BIN)/tfcs-bench --interleave --rounds 4
+bench: bench-allreduce bench-allreduce-np4 bench-allreduce-tcp bench-broadcast bench-allgather bench-fit
+
+bench-allreduce: $(STAMP)
+	$(BENCH) -np 2 --op allreduce --sizes $(SIZES) --compare tf-ring,gloo \
+		--json bench-results/allreduce_np2.json --plot docs/img/allreduce.png
+
+bench-allreduce-np4: $(STAMP)
+	$(BENCH) -np 4 --op allreduce --sizes $(SIZES) --compare gloo --json bench-results/allreduce_np4.json
+
+bench-allreduce-tcp: $(STAMP)
+	$(BENCH) -np 2 --transport tcp --op allreduce --sizes $(SIZES) --compare gloo \
+		--json bench-results/allreduce_tcp.json
+
+bench-broadcast: $(STAMP)
+	$(BENCH) -np 2 --op broadcast --sizes $(SIZES) --compare gloo --json bench-results/broadcast.json
+
+bench-allgather: $(STAMP)
+	$(BENCH) -np 2 --op allgather --sizes $(SIZES) --compare gloo --json bench-results/allgather.json
+
+bench-fit: $(STAMP)
+	$(BIN)/python benchmarks/keras_throughput.py --modes paired,mwms --rounds 2 --blocks 6 --steps 300 \
+		--json bench-results/fit.json --plot docs/img/keras_throughput.png
 
 # The documentation site (MkDocs + Material, API reference from the docstrings) into site/.
 # --strict: a broken link, a page missing from the nav or an unresolved reference fails the build.
