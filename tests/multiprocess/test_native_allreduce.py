@@ -1,7 +1,8 @@
 """The compiled all-reduce (tf/native/shm_allreduce.cc) under CommStrategy, on real workers of one host:
-results against numpy, the same bits on every rank, when it is used and when not, and its failures
-(mismatch, a rank that never comes, a rank killed, calls after shutdown, TFCS_NATIVE=1 without a compiler).
-Assertions in the parent."""
+results against numpy, the same bits on every rank, when it is used and when not (and the WARNING on
+every rank when it falls back), a traced graph that holds the segment's name and no address, and its
+failures (mismatch, a rank that never comes, a rank killed, calls after shutdown, TFCS_NATIVE=1 without a
+compiler). Assertions in the parent."""
 
 import os
 import shutil
@@ -82,26 +83,82 @@ def test_results_match_numpy_and_are_the_same_bits_on_every_rank(size, dtype, op
         np.testing.assert_allclose(eager, want0 / size if op == "mean" else want0, rtol=1e-5, atol=1e-5)
 
 
+def _kept_records():
+    """In a worker: (level name, message) of every record of the ``tf_commstrategy`` logger from now on."""
+    import logging
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append((record.levelname, record.getMessage()))
+    logging.getLogger("tf_commstrategy").addHandler(Keep())
+    return records
+
+
 def _which_path(rank, size):
     tf, tfcs = _tf()
+    records = _kept_records()
     s = tfcs.CommStrategy()
     r = s.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(tf.constant([1.0 + rank]),))
-    return s.extended._native is not None, float(r.numpy()[0])
+    warned = [m for level, m in records if level == "WARNING" and "compiled all-reduce" in m]
+    return s.extended._native is not None, float(r.numpy()[0]), warned
 
 
 @pytest.mark.parametrize("env", [{"TFCS_NATIVE": "0"}, {"TFCS_TRANSPORT": "unix"}], ids=["off", "unix-asked"])
 def test_turned_off_or_another_transport_keeps_the_python_path(env):
-    assert run_workers(_which_path, 2, env=env, timeout=120) == [(False, 3.0)] * 2
+    # a choice, not a fallback: no warning
+    assert run_workers(_which_path, 2, env=env, timeout=120) == [(False, 3.0, [])] * 2
 
 
 def test_no_compiler_falls_back_unless_required(tmp_path):
     no_cc = {"TFCS_NATIVE_CACHE": str(tmp_path), "PATH": "/nonexistent", "CXX": ""}
-    assert run_workers(_which_path, 2, env=no_cc, timeout=120) == [(False, 3.0)] * 2
+    for used, value, warned in run_workers(_which_path, 2, env=no_cc, timeout=120):
+        assert (used, value) == (False, 3.0)
+        assert len(warned) == 1 and "no C++ compiler" in warned[0] and "TFCS_NATIVE=0" in warned[0], warned
     res = run_workers(_which_path, 2, env=dict(no_cc, TFCS_NATIVE="1"), timeout=120, expect_failure=True)
     for rank in (0, 1):
         kind, (cls, msg, _) = res[rank]
         assert kind == "error" and cls == "ConfigurationError", res[rank]
         assert "TFCS_NATIVE=1" in msg and "no C++ compiler" in msg, msg
+
+
+def test_a_failing_build_is_a_warning_on_every_rank_with_the_reason_and_the_fix(tmp_path):
+    cache = tmp_path / "empty-cache"
+    res = run_workers(_which_path, 2, env={"TFCS_NATIVE_CACHE": str(cache), "CXX": "/bin/false"}, timeout=120)
+    for rank, (used, value, warned) in enumerate(res):
+        assert (used, value) == (False, 3.0)
+        assert len(warned) == 1, (rank, warned)
+        text = warned[0]
+        assert f"rank {rank}:" in text and "the build failed" in text and "/bin/false" in text, text  # the reason
+        assert "install a C++ compiler" in text and "TFCS_NATIVE=0" in text, text  # the fix, and the silencer
+    assert not [n for n in os.listdir(cache) if n.endswith(".so")]  # nothing half-built was cached
+
+
+def _graph_attrs(rank, size):
+    tf, tfcs = _tf()
+    s = tfcs.CommStrategy()
+    native = s.extended._native
+    step = _sum_step(tf, s)
+    x = tf.ones([4])
+    out = step(x).numpy().tolist()
+    graph_def = step.get_concrete_function(x).graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    found = []
+    for node in nodes:
+        if node.op == "TfcsShmAllReduce":
+            ints = [v.i for v in node.attr.values()] + [i for v in node.attr.values() for i in v.list.i]
+            found.append((sorted(node.attr), node.attr["segment"].s.decode(), ints))
+    return out, found, native.name, native._seg.addr, [int(w.pid) for w in s.process_group.workers]
+
+
+def test_a_traced_graph_names_the_segment_and_holds_no_address_or_pid():
+    for out, found, name, addr, pids in run_workers(_graph_attrs, 2, timeout=120):
+        assert out == [2.0] * 4
+        assert len(found) == 1, found
+        keys, segment, ints = found[0]
+        assert "addr" not in keys and "pids" not in keys, keys
+        assert segment == name and name.startswith("tfcs-shm-"), (segment, name)
+        assert addr not in ints and not set(pids) & set(ints), (addr, pids, ints)
 
 
 def _failing(rank, size, how):
@@ -202,7 +259,7 @@ def _after_shutdown(rank, size):
     tfcs.shutdown()
     try:
         with tfcs.unwrap_errors():
-            step(tf.ones([3]))  # the graph still holds the old segment's address
+            step(tf.ones([3]))  # the graph names the old segment, shut down now
         return first, left, "no error"
     except tfcs.TfcsError as e:
         return first, left, type(e).__name__
@@ -332,18 +389,19 @@ def test_float_and_double_calls_and_empty_calls_share_the_generations():
             assert x == [3.0] * 5 and y == [3.0] * 3 and shapes == [[0], [2, 0]]
 
 
-def _no_deadline_but_infinity(rank, size):
+def _huge_deadline(rank, size):
     tf, tfcs = _tf()
     s = tfcs.CommStrategy()
     step = _sum_step(tf, s)
     step(tf.ones([2]))
     if rank == 1:
-        time.sleep(0.5)  # rank 0 waits past its spin: an infinite deadline must not read as an expired one
+        time.sleep(0.5)  # rank 0 waits past its spin: a deadline centuries away must not read as an expired one
     return step(tf.ones([2])).numpy().tolist()
 
 
-def test_an_infinite_timeout_waits():
-    assert run_workers(_no_deadline_but_infinity, 2, env={"TFCS_TIMEOUT": "inf"}, timeout=120) == [[2.0, 2.0]] * 2
+def test_a_timeout_of_centuries_waits():
+    # TFCS_TIMEOUT is finite; 5e9 s (5e18 ns, near the int64 limit and Python's threading.TIMEOUT_MAX)
+    assert run_workers(_huge_deadline, 2, env={"TFCS_TIMEOUT": "5e9"}, timeout=120) == [[2.0, 2.0]] * 2
 
 
 def _old_graph_after_reinit(rank, size):

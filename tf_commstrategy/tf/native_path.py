@@ -4,21 +4,26 @@
 instead of the ``tf.numpy_function`` bridge: one op reads the tensors where they are and writes the
 outputs it allocates, through a shared-memory segment that every rank maps (``native/
 shm_allreduce.cc``). No Python and no GIL in the step, no concatenation before the collective and no
-split after it: measured 1.11-1.15x the samples/s of the numpy_function path for the reference CNN
-on 2 workers (docs/benchmarks.md).
+split after it (docs/benchmarks.md compares the two paths).
 
 When: ``TFCS_NATIVE`` is ``auto`` (default) or ``1``, the job has at least 2 ranks, all of them
 share one host's memory (same host, /dev/shm and pid namespace: the same facts that choose the shm
 transport), the job did not ask for another transport (``tcp``, ``unix``, ``grpc``), the op builds
 (``native_build``), and the segment can be made. Every rank says whether it can, and the op is used
 only if all can: a collective step, taken when the first ``CommStrategy`` of a process group is made.
+Where only the op's build or its segment stands in the way (a fallback, not a choice), every rank
+logs a WARNING with the reason and the fix (``TFCS_NATIVE=0`` silences it).
 
 The segment: created by rank 0 (mode 0600, an unguessable name, ``shared_memory.Segment``), its name
-sent over the authenticated store, mapped by every rank, and unlinked by rank 0 once all have mapped
-it. A graph keeps the mapping's address, so the mapping is never unmapped while the process lives: at
-shutdown this rank marks itself gone in the segment (peers waiting for it fail at once) and swaps its
-view for private memory that says "shut down" (a later call through an old graph fails cleanly),
-which gives the shared pages back.
+sent over the authenticated store, mapped by every rank, registered under its name in the library's
+process-wide table (address, layout, this rank, every rank's pid), and unlinked by rank 0 once all
+have mapped it. A graph holds only the name (the op's ``segment`` attribute): the kernel looks it up
+when it runs, so a graph run in another process, or after shutdown, fails with a typed error instead
+of touching memory that is not the segment. The mapping is never unmapped while the process lives
+(this module's views of it stay valid): at shutdown this rank marks itself gone in the segment (peers
+waiting for it fail at once), and the library marks the name shut down (a later call through an old
+graph fails cleanly) and swaps the shared pages for private memory that says "shut down", which
+gives them back.
 
 Errors: the op's errors carry a tag (``[tfcs-native:timeout]``, ...) that ``typed_error`` turns into
 the package's typed errors; ``tensor_ops.unwrap_errors`` raises them from ``fit`` and custom loops.
@@ -39,9 +44,9 @@ import numpy as np
 import tensorflow as tf
 
 from .. import config
+from ..core import cpus
 from ..errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError,
                       ConfigurationError, NotInitializedError, PeerLostError, TfcsError)
-from . import native_build
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -54,6 +59,12 @@ _STATES = {2: "ranks passed different tensors", 3: "timed out", 4: "a peer proce
 DIVERGE_S = 5.0
 DIVERGED_FIX = ("every rank must issue the same collectives in the same order; look for a collective (or a callback, "
                 "metric or strategy.run) that only some ranks call")
+#: the fix a fallback's WARNING names, by where the reason comes from (the op's build, or its segment)
+BUILD_FIX = ("install a C++ compiler (g++, or set CXX to one) and restart the job, or prebuild the op with "
+             "`python -m tf_commstrategy.tf.native_build` (docs/backends.md)")
+SEGMENT_FIX = "give /dev/shm room for the segment (e.g. `docker run --shm-size=1g`) and restart the job"
+OTHER_FIX = "do what the reason says and restart the job"  # a refused cache, a stuck lock: the reason names it
+SILENCE = "or set TFCS_NATIVE=0 to keep the Python path without this warning"
 _kept: List[object] = []  # every segment this process mapped: never unmapped while it lives (see above)
 _by_group: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _attempts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -66,11 +77,10 @@ SPIN_US_SHARED_CORES = 200  # ranks outnumber the cores: a spinning rank would h
 def spin_microseconds(ranks_on_host: int) -> int:
     """How long a wait yields the CPU in a loop before it sleeps: long when every rank has a core.
 
-    A rank that sleeps leaves its core idle and wakes a poll after its peer arrived; in training, the
-    waits grew in some stretches with a 1 ms spin and those blocks of steps ran up to 30% slower, which did
-    not happen with 20 ms (docs/benchmarks.md, eighteenth session). Waits longer than the spin (a rank
-    evaluating or saving) still sleep."""
-    return SPIN_US_OWN_CORE if len(os.sched_getaffinity(0)) >= ranks_on_host else SPIN_US_SHARED_CORES
+    A rank that sleeps leaves its core idle and wakes a poll after its peer arrived, so the short waits of
+    ranks taking turns in training cost a poll each time (docs/benchmarks.md); waits longer than the spin
+    (a rank evaluating or saving) still sleep."""
+    return SPIN_US_OWN_CORE if cpus.usable_cores() >= ranks_on_host else SPIN_US_SHARED_CORES
 
 
 class NativeAllReduce:
@@ -79,7 +89,7 @@ class NativeAllReduce:
     def __init__(self, group, seg, lib, header_bytes: int, capacity: int):
         self.group, self._seg, self._lib = group, seg, lib
         self.header_bytes, self.capacity = header_bytes, capacity
-        self._pids = [int(x.pid) for x in group.workers]
+        self.name = segment_name(seg)  # the op's `segment` attribute: the graph holds no address
         self._spin_us = spin_microseconds(group.size)
         self._words = np.frombuffer(seg.mm, dtype=np.uint64, count=header_bytes // 8)
         # this rank's words in the op's header (shm_allreduce.cc): its state line, and its counters line
@@ -114,18 +124,19 @@ class NativeAllReduce:
             return None
         _attempts[group] = attempt = _attempts.get(group, 0) + 1  # keys of their own for a retry after an error
         prefix = f"native/{attempt}"
-        why, lib = cls._local_reason(group, mode)
+        why, lib, choice = cls._local_reason(group, mode)
         store, rank, size, t = group.store, group.rank, group.size, group.rendezvous_timeout
-        # every rank says whether it can, and whether it requires the op: the same verdict everywhere
-        store.set(f"{prefix}/can/{rank}", json.dumps({"why": why, "required": mode == "on"}))
+        # every rank says whether it can, why not (a choice, or a fallback and its fix), and whether it
+        # requires the op: the same verdict everywhere
+        fix = BUILD_FIX if ("compiler" in why or "build failed" in why) else OTHER_FIX
+        store.set(f"{prefix}/can/{rank}", json.dumps({"why": why, "required": mode == "on", "choice": choice,
+                                                      "fix": fix}))
         said = [json.loads(store.get(f"{prefix}/can/{r}", t)) for r in range(size)]
-        bad = [(r, x["why"]) for r, x in enumerate(said) if x["why"]]
-        required = any(x["required"] for x in said)
+        bad = [(r, x) for r, x in enumerate(said) if x["why"]]
         if not bad:
-            seg, bad = cls._map_segment(group, prefix)
+            seg, whys = cls._map_segment(group, prefix)
             if seg is not None:
-                header = _header_bytes(size)
-                native = cls(group, seg, lib, header, SLOT_BYTES)
+                native = cls(group, seg, lib, _header_bytes(size), SLOT_BYTES)
                 group.add_close_hook(native.close)
                 group.add_failure_hook(native.fail)
                 group.add_failure_source(native.error)
@@ -134,31 +145,30 @@ class NativeAllReduce:
                     log.info("tf_commstrategy: the strategy's all-reduce runs as a compiled op through shared "
                              "memory (%d ranks on one host)", size)
                 return native
-        r, w = bad[0]
-        if required:  # on every rank, as soon as one requires it
-            raise ConfigurationError(f"TFCS_NATIVE=1, but the compiled all-reduce cannot run: rank {r}: {w}",
-                                     rank=rank, fix="fix what is named, or unset TFCS_NATIVE (the Python path "
-                                                    "is used where the op cannot run)")
-        if rank == 0 and not w.startswith("off"):
-            log.info("tf_commstrategy: the strategy's all-reduce stays on the Python path (rank %d: %s)", r, w)
+            bad = [(r, {"why": w, "choice": False, "fix": SEGMENT_FIX}) for r, w in whys]
+        _report(rank, bad, required=any(x["required"] for x in said))
         return None
 
     @staticmethod
     def _local_reason(group, mode: str):
-        """Why this rank cannot use the op ("" if it can), and the loaded op module."""
+        """Why this rank cannot use the op ("" if it can), the loaded op module, and whether the reason
+        is a choice (off, several hosts, another transport) rather than a fallback."""
         if mode == "off":
-            return "off (TFCS_NATIVE=0)", None
+            return "off (TFCS_NATIVE=0)", None, True
         if len({x.shm_key for x in group.workers}) != 1:
-            return "the ranks do not all share one host's memory", None
+            return "the ranks do not all share one host's memory", None, True
         asked = config.parse_transport(group.transport)
         if asked not in ("auto", "shm"):
-            return f"transport {asked!r} was asked for", None
-        lib, why = native_build.library()
-        return ("" if lib is not None else why), lib
+            return f"transport {asked!r} was asked for", None, True
+        from . import native_build
+        # a wait for another rank's build ends before the peers stop waiting for this rank's answer
+        lib, why = native_build.library(wait_s=group.rendezvous_timeout)
+        return ("" if lib is not None else why), lib, False
 
     @staticmethod
     def _map_segment(group, prefix: str):
-        """Rank 0 makes the segment, every rank maps it, rank 0 unlinks it: (segment, []) or (None, why)."""
+        """Rank 0 makes the segment, every rank maps and registers it, rank 0 unlinks it: (segment, []) or
+        (None, [(rank, why), ...])."""
         from ..core import shared_memory
         store, rank, size, t = group.store, group.rank, group.size, group.rendezvous_timeout
         nbytes = _header_bytes(size) + size * 2 * SLOT_BYTES
@@ -181,21 +191,23 @@ class NativeAllReduce:
                         why = f"cannot map {path} ({e})"
                 else:
                     why = "rank 0 could not make the segment"
+            if seg is not None and not why:
+                why = _register(seg, rank, size, [int(x.pid) for x in group.workers])
             store.set(f"{prefix}/mapped/{rank}", why)
             whys = [store.get(f"{prefix}/mapped/{r}", t) for r in range(size)]
         except BaseException:
-            if seg is not None and rank == 0:
-                seg.unlink()
+            if seg is not None:
+                _release(seg)  # registered or not (ENOENT): no name of this process leads to it any more
+                if rank == 0:
+                    seg.unlink()
             raise
         if rank == 0 and seg is not None:
             seg.unlink()  # every rank mapped it (or gave up): nothing stays in /dev/shm
         bad = [(r, w) for r, w in enumerate(whys) if w]
         if bad:
             if seg is not None:
+                _release(seg)  # the name is shut down before the address can be reused
                 seg.close()
-            if rank == 0:
-                log.warning("tf_commstrategy: shared memory for the compiled all-reduce unavailable (rank %d: %s); "
-                            "the Python path is used", *bad[0])
             return None, bad
         _kept.append(seg)
         return seg, []
@@ -223,9 +235,8 @@ class NativeAllReduce:
         with tf.device("/device:CPU:0"):
             try:
                 return list(self._lib.tfcs_shm_all_reduce(
-                    inputs=list(tensors), addr=self._seg.addr, rank=self.group.rank, size=self.group.size,
-                    header_bytes=self.header_bytes, capacity=self.capacity, pids=self._pids, timeout=timeout,
-                    spin_us=self._spin_us, mean=bool(mean), diverge_s=float(self.diverge_s)))
+                    inputs=list(tensors), segment=self.name, timeout=timeout, spin_us=self._spin_us,
+                    mean=bool(mean), diverge_s=float(self.diverge_s)))
             except tf.errors.OpError as e:  # eagerly: the typed error now, and the group is unusable
                 ours = typed_error(e, getattr(self.group, "workers", None))
                 if ours is None:
@@ -307,17 +318,60 @@ class NativeAllReduce:
         """This rank leaves: peers waiting for it fail at once, and its own later calls fail cleanly.
 
         The state word first (a call of this rank still waiting sees it within 50 ms and ends), then the
-        library swaps the shared pages for private memory that says "shut down", under the lock every
-        call holds, so no call is summing while the pages go."""
+        library marks the name shut down and swaps the shared pages for private memory that says "shut
+        down", under the lock every call holds, so no call is summing while the pages go."""
         if self._words[self._state] == 0:
             self._words[self._state] = STATE_SHUTDOWN
-        release = ctypes.CDLL(native_build.path).TfcsShmRelease
-        release.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
-        release.restype = ctypes.c_int
-        err = release(self._seg.addr, len(self._seg.mm), self.group.size, self.group.rank)
+        err = _release(self._seg)
         if err:
             log.warning("tf_commstrategy rank %d: could not release the compiled all-reduce's shared memory "
                         "(errno %d); it is freed when the process exits", self.group.rank, err)
+
+
+def segment_name(seg) -> str:
+    """The name a segment is registered under in the library, and the op's ``segment`` attribute."""
+    return os.path.basename(seg.path)
+
+
+def _c_function(name: str, argtypes, restype=ctypes.c_int):
+    """One of the library's C entry points (``native_build.ENTRY_POINTS``), through ctypes."""
+    from . import native_build
+    fn = getattr(native_build.cdll, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def _register(seg, rank: int, size: int, pids: List[int]) -> str:
+    """Register ``seg`` under its name in the library's table for this process: "" or why not."""
+    register = _c_function("TfcsShmRegister", [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64,
+                                               ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                               ctypes.POINTER(ctypes.c_int64)])
+    err = register(segment_name(seg).encode(), seg.addr, len(seg.mm), _header_bytes(size), SLOT_BYTES, rank, size,
+                   (ctypes.c_int64 * size)(*pids))
+    return f"cannot register the segment {segment_name(seg)} in the op's table ({os.strerror(err)})" if err else ""
+
+
+def _release(seg) -> int:
+    """Mark ``seg``'s name shut down in the library and give its shared pages back: 0, or errno."""
+    return _c_function("TfcsShmRelease", [ctypes.c_char_p])(segment_name(seg).encode())
+
+
+def _report(rank: int, bad, required: bool) -> None:
+    """Say why the op does not run, the same on every rank: a ConfigurationError when some rank requires
+    it; a WARNING on every rank when every reason is a fallback (its build, its segment), with the reason
+    and its fix; an INFO on rank 0 when a rank chose otherwise (several hosts, a transport: not an error)."""
+    r, first = bad[0]
+    if required:  # on every rank, as soon as one requires it
+        raise ConfigurationError(f"TFCS_NATIVE=1, but the compiled all-reduce cannot run: rank {r}: {first['why']}",
+                                 rank=rank, fix="fix what is named, or unset TFCS_NATIVE (the Python path "
+                                                "is used where the op cannot run)")
+    if all(not x.get("choice") for _, x in bad):
+        log.warning("tf_commstrategy rank %d: the compiled all-reduce cannot run, so the strategy's all-reduce "
+                    "uses the slower Python path: rank %d: %s. Fix: %s; %s", rank, r, first["why"],
+                    first.get("fix") or BUILD_FIX, SILENCE)
+    elif rank == 0 and not first["why"].startswith("off"):
+        log.info("tf_commstrategy: the strategy's all-reduce stays on the Python path (rank %d: %s)", r,
+                 first["why"])
 
 
 def _word(size: int, rank: int, line_kind: int, offset: int = 0) -> int:
@@ -367,4 +421,9 @@ def typed_error(error: BaseException, workers=None) -> Optional[TfcsError]:
                                       fix="see that rank's log for its own error")
     if kind == "shutdown":
         return NotInitializedError(message, rank=rank, fix="call tfcs.init() again (and make a new CommStrategy)")
+    if kind == "unregistered":
+        return NotInitializedError(message, rank=rank, fix="trace the function anew in this process under a "
+                                                           "CommStrategy (a graph exported with the compiled "
+                                                           "all-reduce does not carry its shared memory), or set "
+                                                           "TFCS_NATIVE=0 when tracing a graph to export")
     return CollectiveError(message, rank=rank, fix="shut down (tfcs.shutdown()) and restart the job")

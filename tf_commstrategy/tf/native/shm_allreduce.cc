@@ -6,7 +6,12 @@
 // they are and writes the outputs it allocates: no Python, no concat, no split.
 //
 // Built on first use by tf_commstrategy/tf/native_build.py (g++ and TensorFlow's headers); Python
-// (native_path.py) creates the segment, maps it in every rank and passes its address as an attribute.
+// (native_path.py) creates the segment and maps it in every rank, then registers it in this library's
+// process-wide table under the segment's name (TfcsShmRegister, through ctypes) with its address, this
+// rank, the ranks' pids and the layout. The op's `segment` attribute holds only that name: the kernel
+// looks it up when it runs, so a graph holds no address, and a graph run in another process (exported
+// and loaded elsewhere), or after its process group shut down, fails with a tagged error instead of
+// touching memory that is not the segment.
 //
 // Segment layout (every word 64-byte aligned, each rank writes only its own lines):
 //   line [0 * size + r]  ready[r]: the generation whose data rank r has put in its slot
@@ -35,12 +40,13 @@
 // then called different collectives, which no deadline short of the timeout would report. Errors carry
 // a tag that tf_commstrategy turns into its typed errors: "[tfcs-native:timeout]",
 // "[tfcs-native:mismatch]", "[tfcs-native:diverged:R]", "[tfcs-native:peer_lost:R]",
-// "[tfcs-native:aborted:R]", "[tfcs-native:shutdown]".
+// "[tfcs-native:aborted:R]", "[tfcs-native:shutdown]", "[tfcs-native:unregistered]".
 #include <errno.h>
 #include <sched.h>
 #include <stdio.h>
 #include <signal.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <sys/mman.h>
 
@@ -48,8 +54,10 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -63,12 +71,7 @@ REGISTER_OP("TfcsShmAllReduce")
     .Output("outputs: N * T")
     .Attr("N: int >= 1")
     .Attr("T: {float, double}")
-    .Attr("addr: int")
-    .Attr("rank: int")
-    .Attr("size: int")
-    .Attr("header_bytes: int")
-    .Attr("capacity: int")
-    .Attr("pids: list(int)")
+    .Attr("segment: string")
     .Attr("timeout: float")
     .Attr("spin_us: int")
     .Attr("mean: bool = false")
@@ -128,6 +131,34 @@ std::mutex& CallMutex() {
   return mu;
 }
 
+// One registered segment: where this process mapped it and what the op needs to use it. Entries are
+// never erased (a process makes one per process group), so a kernel may keep the pointer it found;
+// `shut_down` is written under both CallMutex() and RegistryMutex(), and read under either.
+struct Registered {
+  char* base = nullptr;
+  size_t length = 0;
+  int64_t header = 0, capacity = 0;
+  int rank = 0, size = 0;
+  std::vector<int64_t> pids;  // every rank's process, checked while waiting for it
+  bool shut_down = false;
+};
+
+std::mutex& RegistryMutex() {  // taken after CallMutex() where both are held
+  static std::mutex mu;
+  return mu;
+}
+
+std::unordered_map<std::string, std::shared_ptr<Registered>>& Registry() {
+  static auto* table = new std::unordered_map<std::string, std::shared_ptr<Registered>>();  // never freed:
+  return *table;  // a kernel may run while the process exits
+}
+
+std::shared_ptr<Registered> Lookup(const std::string& name) {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  auto it = Registry().find(name);
+  return it == Registry().end() ? nullptr : it->second;
+}
+
 // A peer process that exists and is not a zombie (kill(pid, 0) succeeds for a zombie too).
 bool alive(int64_t pid) {
   if (pid <= 0) return true;
@@ -157,15 +188,44 @@ const char* StoppedBecause(uint64_t st) {
 
 }  // namespace
 
+// Called by Python (ctypes) once every rank has mapped the segment: `name` (the op's `segment`
+// attribute) -> the mapping at `addr` of `length` bytes, its layout, this rank and every rank's pid.
+// Returns 0, EINVAL for an inconsistent layout, or EEXIST for a name registered already.
+extern "C" int TfcsShmRegister(const char* name, void* addr, size_t length, int64_t header_bytes,
+                               int64_t capacity, int rank, int size, const int64_t* pids) {
+  if (name == nullptr || addr == nullptr || pids == nullptr || size < 2 || rank < 0 || rank >= size ||
+      capacity < 64 || capacity % 64 != 0 || header_bytes < 64 * 4 * int64_t(size) ||
+      int64_t(length) < header_bytes + 2 * int64_t(size) * capacity) {
+    return EINVAL;
+  }
+  auto entry = std::make_shared<Registered>();
+  entry->base = static_cast<char*>(addr);
+  entry->length = length;
+  entry->header = header_bytes;
+  entry->capacity = capacity;
+  entry->rank = rank;
+  entry->size = size;
+  entry->pids.assign(pids, pids + size);
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  return Registry().emplace(name, std::move(entry)).second ? 0 : EEXIST;
+}
+
 // Called by Python at shutdown (ctypes), after it set this rank's state word: waits for a call in
-// progress to end (it sees the state within 50 ms), then replaces the shared pages at `addr` with
-// private memory whose state word for `rank` says "shut down", so a graph that still runs the op
-// fails cleanly. Returns 0, or errno.
-extern "C" int TfcsShmRelease(void* addr, size_t length, int size, int rank) {
-  std::lock_guard<std::mutex> lock(CallMutex());
-  void* got = mmap(addr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
-  if (got != addr) return errno;
-  Segment(static_cast<char*>(addr), size, 0).state(rank)->store(kShutdown, std::memory_order_release);
+// progress to end (it sees the state within 50 ms), marks the name shut down (a graph that still runs
+// the op fails cleanly, without touching the segment), and replaces the shared pages with private
+// memory whose state word for this rank says "shut down" (Python's own views of the segment stay
+// valid while the shared pages go back). Returns 0, ENOENT for a name never registered, or errno.
+extern "C" int TfcsShmRelease(const char* name) {
+  std::lock_guard<std::mutex> call(CallMutex());
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  auto it = Registry().find(name == nullptr ? std::string() : std::string(name));
+  if (it == Registry().end()) return ENOENT;
+  Registered& r = *it->second;
+  if (r.shut_down) return 0;
+  r.shut_down = true;
+  void* got = mmap(r.base, r.length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  if (got != r.base) return errno;
+  Segment(r.base, r.size, 0).state(r.rank)->store(kShutdown, std::memory_order_release);
   return 0;
 }
 
@@ -173,31 +233,48 @@ template <typename T>
 class ShmAllReduceOp : public OpKernel {
  public:
   explicit ShmAllReduceOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int64_t addr;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("addr", &addr));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("rank", &rank_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("size", &size_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("header_bytes", &header_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("capacity", &capacity_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("pids", &pids_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("segment", &segment_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout", &timeout_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("spin_us", &spin_us_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("mean", &mean_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("diverge_s", &diverge_s_));
-    OP_REQUIRES(ctx, addr != 0 && size_ >= 2 && rank_ >= 0 && rank_ < size_ &&
-                         int(pids_.size()) == size_ && capacity_ >= 64 && capacity_ % 64 == 0 &&
-                         header_ >= 64 * 4 * size_ && diverge_s_ > 0,
+    OP_REQUIRES(ctx, !segment_.empty() && diverge_s_ > 0,
                 errors::InvalidArgument("[tfcs-native:config] inconsistent attributes"));
-    seg_ = new Segment(reinterpret_cast<char*>(addr), size_, header_);
   }
-  ~ShmAllReduceOp() override { delete seg_; }
+
+  // The registered segment of this op's name, found once per kernel (entries are never erased), with
+  // its layout copied into the members that Compute() and Wait() use. False (and the status set) when
+  // this process has no such segment, or its process group shut down. Called under CallMutex().
+  bool Attach(OpKernelContext* ctx) {
+    if (reg_ == nullptr) {
+      reg_ = Lookup(segment_);
+      if (reg_ == nullptr) {
+        ctx->SetStatus(errors::FailedPrecondition(
+            "[tfcs-native:unregistered] the compiled all-reduce's shared-memory segment ", segment_,
+            " is not registered in this process (pid ", getpid(), "): a graph with this op runs only in "
+            "the process that traced it, while its process group lives"));
+        return false;
+      }
+      seg_ = Segment(reg_->base, reg_->size, reg_->header);
+      rank_ = reg_->rank;
+      size_ = reg_->size;
+      capacity_ = reg_->capacity;
+    }
+    if (reg_->shut_down) {
+      ctx->SetStatus(errors::FailedPrecondition("[tfcs-native:shutdown] rank ", rank_,
+                                                ": the process group was shut down"));
+      return false;
+    }
+    return true;
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const auto entered = Clock::now();  // the deadline counts from here, the wait for the mutex included
     // One call at a time per process: the generation is the segment's (this rank's ready word), shared
     // by every node and function that runs this op, as every rank runs the same calls in the same order.
     std::lock_guard<std::mutex> lock(CallMutex());
-    const Segment& s = *seg_;
+    if (!Attach(ctx)) return;  // before anything touches the segment, and before Exit marks it failed
+    const Segment& s = seg_;
     const uint64_t own = s.state(rank_)->load(std::memory_order_acquire);
     if (own != 0) {
       ctx->SetStatus(errors::FailedPrecondition(
@@ -322,7 +399,7 @@ class ShmAllReduceOp : public OpKernel {
   // any timeout, however large, is a real one).
   bool Wait(OpKernelContext* ctx, std::atomic<uint64_t>* word, uint64_t target, Clock::time_point entered) {
     if (word->load(std::memory_order_acquire) >= target) return true;
-    const Segment& s = *seg_;
+    const Segment& s = seg_;
     const auto start = Clock::now();
     struct Waited {  // however the wait ends, its time counts
       int64_t& total;
@@ -343,10 +420,10 @@ class ShmAllReduceOp : public OpKernel {
       if (now >= next_check) {
         next_check = now + std::chrono::milliseconds(50);
         for (int p = 0; p < size_; ++p) {  // a dead process first: it is the cause, not the ranks it stopped
-          if (p != rank_ && !alive(pids_[p])) {
+          if (p != rank_ && !alive(reg_->pids[p])) {
             s.state(rank_)->store(kPeerLost, std::memory_order_release);
             ctx->SetStatus(errors::Unavailable("[tfcs-native:peer_lost:", p, "] rank ", rank_, ": rank ", p,
-                                               " (pid ", pids_[p], ") died during the all-reduce"));
+                                               " (pid ", reg_->pids[p], ") died during the all-reduce"));
             return false;
           }
         }
@@ -404,10 +481,11 @@ class ShmAllReduceOp : public OpKernel {
     }
   }
 
-  Segment* seg_ = nullptr;
+  std::string segment_;                 // the attribute: the registered segment's name
+  std::shared_ptr<Registered> reg_;     // what the name was registered as (Attach)
+  Segment seg_{nullptr, 0, 0};
   int rank_ = 0, size_ = 0;
-  int64_t header_ = 0, capacity_ = 0;
-  std::vector<int64_t> pids_;
+  int64_t capacity_ = 0;
   float timeout_ = 0;
   float diverge_s_ = 5;
   int spin_us_ = 0;
