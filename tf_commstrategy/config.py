@@ -31,6 +31,8 @@ GONE_GRACE_S = 0.5  # a peer that fails reports why within this of its connectio
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # a silent ring neighbour is declared lost after this long (0: off)
 DEFAULT_TF_THREADS = "auto"         # TF pool sizes: cores // local workers when several share a host
 DEFAULT_SHM_FUSION_BYTES = 8 << 20  # each rank's shared all-reduce buffer when the whole job is on one host
+NATIVE_BUILD_TIMEOUT_S = 600.0  # the compiled all-reduce's build: far longer than it takes (~10 s), bounded
+NATIVE_LOCK_WAIT_S = NATIVE_BUILD_TIMEOUT_S + 60.0  # waiting for another process's build, without a deadline
 DEFAULT_SHM_CMA_BYTES = 4 << 20  # all-reduces from this size read the peers' arrays (one host)
 
 _SIZE_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
@@ -541,10 +543,12 @@ SETTINGS: Tuple[Setting, ...] = (
             "the strategy's host all-reduce as a compiled TensorFlow op when every rank of the job shares one "
             "host's memory (built on first use with the C++ compiler on the PATH; "
             "[backends](backends.md#every-rank-on-one-host-the-compiled-all-reduce)): `auto` uses it where it "
-            "builds, `1` requires it (`ConfigurationError` naming the reason otherwise), `0` keeps the "
-            "`tf.numpy_function` path", "`auto`"),
+            "builds (where it cannot, every rank logs a WARNING with the reason and the fix), `1` requires it "
+            "(`ConfigurationError` naming the reason otherwise), `0` keeps the `tf.numpy_function` path", "`auto`"),
     Setting(("TFCS_NATIVE_CACHE",),
-            "where the compiled op is cached (one build per machine and TensorFlow version, ~10 s)",
+            "where the compiled op is cached (one build per machine and TensorFlow version, ~10 s; the "
+            "directory and the library must belong to this user or root and be writable by no one else); "
+            "`python -m tf_commstrategy.tf.native_build` prebuilds it there, e.g. in a container image",
             "`$XDG_CACHE_HOME/tf_commstrategy`, else `~/.cache/tf_commstrategy`"),
     Setting(("TFCS_SMALL_ALLREDUCE_BYTES",),
             "all-reduce buffers up to this size (x (size-1)) by one all-gather pass instead of the two-pass ring "
