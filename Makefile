@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
 .PHONY: setup test test-bench test-slow test-netns demo bench bench-allreduce bench-allreduce-np4 \
-        bench-allreduce-tcp bench-broadcast bench-allgather bench-fit docs clean settings-table
+        bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths docs clean settings-table
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +35,11 @@ test-netns: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tfcs-run -np 2 $(BIN)/python examples/keras_mnist.py
 
-# Every figure of docs/benchmarks.md: `make bench` runs them all (about 40 minutes on 2 cores), each
+# Every figure of docs/benchmarks.md: `make bench` runs them all (about 20 minutes on 2 cores), each
 # target one table; the JSON goes to bench-results/, the plots to docs/img/.
 SIZES := 8,4K,256K,4M,64M,256M
 BENCH := $(BIN)/tfcs-bench --interleave --rounds 4
-bench: bench-allreduce bench-allreduce-np4 bench-allreduce-tcp bench-broadcast bench-allgather bench-fit
+bench: bench-allreduce bench-allreduce-np4 bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths
 
 bench-allreduce: $(STAMP)
 	$(BENCH) -np 2 --op allreduce --sizes $(SIZES) --compare tf-ring,gloo \
@@ -57,6 +57,19 @@ bench-broadcast: $(STAMP)
 
 bench-allgather: $(STAMP)
 	$(BENCH) -np 2 --op allgather --sizes $(SIZES) --compare gloo --json bench-results/allgather.json
+
+# The host backend's all-reduce paths turned off one at a time (docs/backends.md's table of paths).
+bench-paths: $(STAMP)
+	TFCS_SHM_CMA=0 $(BENCH) -np 2 --op allreduce --sizes $(SIZES) --compare gloo --json bench-results/paths_np2_no_cma.json
+	TFCS_SHM_FUSION_BYTES=0 $(BENCH) -np 2 --op allreduce --sizes $(SIZES) --compare gloo \
+		--json bench-results/paths_np2_no_buffers.json
+	TFCS_SHM_FUSION_BYTES=0 TFCS_SMALL_ALLREDUCE_BYTES=0 $(BENCH) -np 2 --op allreduce --sizes $(SIZES) \
+		--compare gloo --json bench-results/paths_np2_no_buffers_no_small.json
+	TFCS_SHM_CMA=0 $(BENCH) -np 4 --op allreduce --sizes $(SIZES) --compare gloo --json bench-results/paths_np4_no_cma.json
+	TFCS_SHM_CMA=0 TFCS_SHM_FUSION_BYTES=0 $(BENCH) -np 4 --op allreduce --sizes $(SIZES) --compare gloo \
+		--json bench-results/paths_np4_ring_only.json
+	TFCS_NATIVE=0 $(BIN)/python benchmarks/keras_throughput.py --modes paired --rounds 2 --blocks 6 --steps 300 \
+		--json bench-results/paths_fit_no_native.json
 
 bench-fit: $(STAMP)
 	$(BIN)/python benchmarks/keras_throughput.py --modes paired,mwms --rounds 2 --blocks 6 --steps 300 \

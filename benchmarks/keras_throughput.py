@@ -173,8 +173,8 @@ def worker(mode, steps, out):
 class StepBarrier:
     """The lockstep blocks' barrier: every rank writes how many barriers it has reached into its own word of
     a shared-memory page and waits until every word has reached that count, yielding the CPU in a loop
-    (never sleeping: on the 2-core VM a barrier that slept after 1 ms, as the compiled all-reduce does,
-    woke late and cost 5% more, docs/benchmarks.md). No data moves, so its cost is what lockstep itself
+    (never sleeping: a barrier that sleeps wakes a poll late, and that delay would count as lockstep's
+    cost). No data moves, so its cost is what lockstep itself
     costs. Rank 0 makes the page (a random name, broadcast) and removes its name as
     soon as every rank has mapped it, so a killed job leaves nothing in /dev/shm."""
 
