@@ -366,8 +366,8 @@ def shared_empty(shape, dtype="float32", *, timeout: Optional[float] = None) -> 
     A collective: every rank calls it with the same shape and dtype, in the same order (like
     ``MPI_Win_allocate_shared`` or torch's symmetric memory). An in-place all-reduce of the array
     (``tfcs.allreduce(a, out=a)``, or of the same slice of it on every rank) then reads the peers'
-    values where they are: no copy into a transfer buffer and none out of it (2 ranks, 256 MiB: see
-    docs/benchmarks.md). Anything else works on it as on any numpy array. The memory stays mapped until
+    values where they are: no copy into a transfer buffer and none out of it (``tfcs-bench --buffers
+    shared`` measures it). Anything else works on it as on any numpy array. The memory stays mapped until
     ``tfcs.shutdown()``: allocate buffers once and reuse them.
 
     When the job's ranks do not all share one host's memory (or a rank's /dev/shm cannot hold the

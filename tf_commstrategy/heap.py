@@ -7,7 +7,7 @@ runs, but only up to twice the largest block it has freed so far: a step that fr
 at once returns it all to the kernel, and the next step faults every page of it back in, zeroed.
 How many page faults a step then takes depends on the process's history (what it freed before), so
 step times vary from run to run; with the thresholds below the heap is reused and a step takes almost
-none (docs/benchmarks.md).
+none (``benchmarks/keras_throughput.py`` reports the page faults per step).
 
 Policy ``"auto"`` (the default): raise the mmap threshold to glibc's maximum (32 MiB: blocks up to
 that size are reused from the heap) and the trim threshold to ``TRIM_BYTES`` (free space up to that

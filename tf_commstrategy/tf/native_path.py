@@ -4,7 +4,7 @@
 instead of the ``tf.numpy_function`` bridge: one op reads the tensors where they are and writes the
 outputs it allocates, through a shared-memory segment that every rank maps (``native/
 shm_allreduce.cc``). No Python and no GIL in the step, no concatenation before the collective and no
-split after it (docs/benchmarks.md compares the two paths).
+split after it (docs/benchmarks.md compares ``model.fit`` with it and without it).
 
 When: ``TFCS_NATIVE`` is ``auto`` (default) or ``1``, the job has at least 2 ranks, all of them
 share one host's memory (same host, /dev/shm and pid namespace: the same facts that choose the shm
@@ -78,7 +78,7 @@ def spin_microseconds(ranks_on_host: int) -> int:
     """How long a wait yields the CPU in a loop before it sleeps: long when every rank has a core.
 
     A rank that sleeps leaves its core idle and wakes a poll after its peer arrived, so the short waits of
-    ranks taking turns in training cost a poll each time (docs/benchmarks.md); waits longer than the spin
+    ranks taking turns in training would cost a poll each time; waits longer than the spin
     (a rank evaluating or saving) still sleep."""
     return SPIN_US_OWN_CORE if cpus.usable_cores() >= ranks_on_host else SPIN_US_SHARED_CORES
 

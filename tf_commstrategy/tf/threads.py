@@ -2,7 +2,7 @@
 
 TensorFlow sizes its intra-op and inter-op pools to every core of the machine. With several workers on
 one host, each one then runs as many busy threads as there are cores: the pools oversubscribe the CPU
-and a step waits for descheduled shards (docs/benchmarks.md has the step times). torchrun sets
+and a step waits for descheduled shards. torchrun sets
 ``OMP_NUM_THREADS=1`` for the same reason; ``CommStrategy`` does the equivalent for TensorFlow.
 
 Policy ``"auto"`` (the default): when ``local_size`` workers share this host, each gets

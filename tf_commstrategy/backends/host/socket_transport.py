@@ -119,8 +119,7 @@ def _tune(sock: socket.socket) -> None:
     A TCP socket's buffers are set only where the kernel grants the whole size (``wmem_max`` /
     ``rmem_max`` of at least 4 MiB): setting them switches the kernel's autotuning off, which grows a
     connection's buffers up to ``tcp_rmem`` / ``tcp_wmem``'s maximum (6 MiB and 4 MiB by default), and
-    a stock kernel caps what a process may set at 208 KiB, a window too small for a fast link. On
-    loopback here, autotuning and fixed 4 MiB buffers gave the same times (docs/benchmarks.md). A Unix
+    a stock kernel caps what a process may set at 208 KiB, a window too small for a fast link. A Unix
     socket has no autotuning: it always gets the largest buffer the kernel allows, up to 4 MiB."""
     tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
     if tcp:
