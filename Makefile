@@ -68,6 +68,10 @@ bench-paths: $(STAMP)
 	TFCS_SHM_CMA=0 $(BENCH) -np 4 --op allreduce --sizes $(SIZES) --compare gloo --json bench-results/paths_np4_no_cma.json
 	TFCS_SHM_CMA=0 TFCS_SHM_FUSION_BYTES=0 $(BENCH) -np 4 --op allreduce --sizes $(SIZES) --compare gloo \
 		--json bench-results/paths_np4_ring_only.json
+	TFCS_SHM_CMA=0 TFCS_SHM_FUSION_BYTES=0 $(BENCH) -np 4 --op allreduce --sizes 8,4K,256K,4M --compare gloo \
+		--json bench-results/paths_np4_ring_small.json
+	TFCS_SHM_CMA=0 TFCS_SHM_FUSION_BYTES=0 TFCS_SMALL_ALLREDUCE_BYTES=0 $(BENCH) -np 4 --op allreduce \
+		--sizes 8,4K,256K,4M --compare gloo --json bench-results/paths_np4_ring_nosmall.json
 	TFCS_NATIVE=0 $(BIN)/python benchmarks/keras_throughput.py --modes paired --rounds 2 --blocks 6 --steps 300 \
 		--json bench-results/paths_fit_no_native.json
 
