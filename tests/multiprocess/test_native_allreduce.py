@@ -146,19 +146,20 @@ def _graph_attrs(rank, size):
     found = []
     for node in nodes:
         if node.op == "TfcsShmAllReduce":
-            ints = [v.i for v in node.attr.values()] + [i for v in node.attr.values() for i in v.list.i]
-            found.append((sorted(node.attr), node.attr["segment"].s.decode(), ints))
-    return out, found, native.name, native._seg.addr, [int(w.pid) for w in s.process_group.workers]
+            found.append((sorted(node.attr), node.attr["segment"].s.decode(), node.attr["N"].i,
+                          node.attr["spin_us"].i))
+    return out, found, native.name
 
 
 def test_a_traced_graph_names_the_segment_and_holds_no_address_or_pid():
-    for out, found, name, addr, pids in run_workers(_graph_attrs, 2, timeout=120):
+    for out, found, name in run_workers(_graph_attrs, 2, timeout=120):
         assert out == [2.0] * 4
         assert len(found) == 1, found
-        keys, segment, ints = found[0]
-        assert "addr" not in keys and "pids" not in keys, keys
+        keys, segment, n, spin_us = found[0]
+        # the op's attributes are its settings and the segment's name, nothing that names memory or processes
+        assert keys == ["N", "T", "diverge_s", "mean", "segment", "spin_us", "timeout"], keys
         assert segment == name and name.startswith("tfcs-shm-"), (segment, name)
-        assert addr not in ints and not set(pids) & set(ints), (addr, pids, ints)
+        assert n == 1 and spin_us in (200, 20000), (n, spin_us)  # one tensor; the op's spin (native_path)
 
 
 def _failing(rank, size, how):
