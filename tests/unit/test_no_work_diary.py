@@ -40,8 +40,9 @@ def test_no_dates_of_work_and_no_session_words():
 
 
 def test_the_check_finds_diary_words():
-    for text in ("measured in the nineteenth session", "as this session showed", "run on 2026-12-06",
-                 "Fifth session of 2026-12-03", "slower this night than"):
+    word = "sess" + "ion"  # spelled apart, so that this file itself holds no diary line
+    for text in (f"measured in the nineteenth {word}", f"as this {word} showed", "run on " + "2026-12-06",
+                 f"Fifth {word} of " + "2026-12-03", "slower this " + "night than"):
         assert DIARY.search(text), text
     for text in ("start_new_session=True", "a gloo Session", "each session of the benchmark"):
         assert not DIARY.search(text), text
