@@ -151,26 +151,28 @@ def _owner_and_mode_why(what: str, st: os.stat_result, fix: str) -> Optional[str
 _OWN_DIR_FIX = "set TFCS_NATIVE_CACHE to a directory of your own"
 
 
+def _refusal(path: str, what: str, is_kind, kind: str, fix: str, mode_fix: str) -> Optional[str]:
+    """Why ``path`` (``what``, for the message) must not be used: unreadable, not a ``kind``, another
+    user's or writable by others; else None."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"cannot read {what} ({e}); {fix}"
+    if not is_kind(st.st_mode):
+        return f"{what} is not a {kind}; {fix}"
+    return _owner_and_mode_why(what, st, mode_fix)
+
+
 def _check_dir(folder: str) -> Optional[str]:
     """Why the cache directory must not be used (another user's, or writable by others), or None."""
-    try:
-        st = os.stat(folder)
-    except OSError as e:
-        return f"cannot read the build cache {folder} ({e}); {_OWN_DIR_FIX}"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"the build cache {folder} is not a directory; {_OWN_DIR_FIX}"
-    return _owner_and_mode_why(f"the build cache {folder}", st, f"`chmod go-w {folder}`, or {_OWN_DIR_FIX}")
+    return _refusal(folder, f"the build cache {folder}", stat.S_ISDIR, "directory", _OWN_DIR_FIX,
+                    f"`chmod go-w {folder}`, or {_OWN_DIR_FIX}")
 
 
 def _trusted(target: str) -> Optional[str]:
     """Why the cached library must not be loaded (another user's file, or writable by others), or None."""
-    try:
-        st = os.stat(target)
-    except OSError as e:
-        return f"cannot read {target} ({e}); delete it to rebuild"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{target} is not a regular file; delete it to rebuild"
-    return _owner_and_mode_why(target, st, f"delete it to rebuild, or {_OWN_DIR_FIX}")
+    return _refusal(target, target, stat.S_ISREG, "regular file", "delete it to rebuild",
+                    f"delete it to rebuild, or {_OWN_DIR_FIX}")
 
 
 def _mtime(p: str) -> float:
