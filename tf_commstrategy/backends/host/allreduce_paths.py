@@ -26,6 +26,7 @@ import numpy as np
 from ...core import ring
 from ...core.ring import SINGLE
 from ...core.reduce_ops import ReduceOp, finish_mean, needs_wide_accumulator
+from . import shm_direct
 from .layout import DIRECT_ABOVE_BYTES, HostLayout
 
 
@@ -57,8 +58,9 @@ class DirectAllReduce:
 
     def run(self, link, flat, op, src, sig) -> bool:
         found = self._shared.find(flat) if src is None else None
-        return self._layout.direct.direct(flat, found, op, link.seq, sig, link.deadline, abort=link.abort_now,
-                                          on_timeout=link.timeout_error, src=src, cma=self._cma(flat, op))
+        return shm_direct.allreduce(self._layout.direct, flat, found, op, link.seq, sig, link.deadline,
+                                    abort=link.abort_now, on_timeout=link.timeout_error, src=src,
+                                    cma=self._cma(flat, op))
 
 
 class SharedBuffersAllReduce:

@@ -45,22 +45,16 @@ class CollectiveLink(RingLink):
         return sub
 
     def _abort(self):
-        """What a wait of this collective must raise now: another rank's reported failure, (with shared
-        all-reduce buffers) a peer that entered this collective under another signature, or a peer that
-        has long been inside a collective of a layer above instead (``ProcessGroup.add_collective_watch``)."""
+        """What a wait of this collective must raise now: another rank's reported failure, or (with shared
+        all-reduce buffers) a peer that entered this collective under another signature, or whose
+        compiled all-reduce stopped (its shared-memory word is there before its abort message)."""
         flags = self._b.flags
-        # the watches first: a peer's shared-memory word that names the cause is there before its abort message
-        return (self._watched() or self._b.mailbox.error_now()
-                or (flags.conflict(self._seq, self._sig_text) if flags else None))
+        if flags is None:
+            return self._b.mailbox.error_now()
+        return (self._b.mailbox.error_now() or flags.entries.conflict(self._seq, self._sig_text)
+                or flags.entries.peer_stopped())
 
     abort_now = _abort  # for the shared-buffer all-reduce's waits
-
-    def _watched(self):
-        for w in self._b.group.collective_watches:
-            problem = w.python_problem(self._seq, self._sig_text)
-            if problem is not None:
-                return problem
-        return None
 
     @property
     def seq(self) -> int:
