@@ -221,7 +221,7 @@ class SharedBuffers:
             if now < spin_end + self.yield_s:
                 os.sched_yield()
                 continue
-            problem = (abort() if abort is not None else None) or self._conflict_now() or self.entries.peer_stopped()
+            problem = (abort() if abort is not None else None) or self._conflict_now()
             if problem is not None:
                 raise problem
             for q in pending:
