@@ -54,7 +54,7 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
         ``init`` already ran with different settings.
       RendezvousError: the other workers could not be met before ``rendezvous_timeout``.
     """
-    global _group, _atexit_registered
+    global _group
     spec = resolve_cluster(rank, world_size, local_rank, coordinator)
     tls = None
     if tls_cert or tls_key or tls_ca:
@@ -71,17 +71,26 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
                 f"{settings}", rank=_group.rank,
                 fix="call init() once per process with the same settings, or tfcs.shutdown() first")
         _group = ProcessGroup(settings)
-        if not _atexit_registered:
-            # Must run before concurrent.futures joins the gRPC servers' worker threads at interpreter exit
-            # (threading's exit hooks run before atexit ones, newest first); plain atexit stays as a fallback.
-            register = getattr(threading, "_register_atexit", None)
-            if register is not None:
-                register(_shutdown_at_exit)
-            atexit.register(_shutdown_at_exit)
-            _atexit_registered = True
+        _register_exit_hook()
         log.info("tf_commstrategy: rank %d of %d (local %d of %d) joined via %s", _group.rank, _group.size,
                  _group.local_rank, _group.local_size, spec.source)
         return _group
+
+
+def _register_exit_hook() -> None:
+    """Have ``_shutdown_at_exit`` run at interpreter exit, once per process.
+
+    It must run before concurrent.futures joins the gRPC servers' worker threads at interpreter exit
+    (threading's exit hooks run before atexit ones, newest first); plain atexit stays as a fallback.
+    """
+    global _atexit_registered
+    if _atexit_registered:
+        return
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_shutdown_at_exit)
+    atexit.register(_shutdown_at_exit)
+    _atexit_registered = True
 
 
 def is_initialized() -> bool:

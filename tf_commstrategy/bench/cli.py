@@ -258,7 +258,8 @@ def cma_text(info: dict) -> str:
     return f", cross-memory reads from {human(info['cross_memory_bytes'])}"
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``tfcs-bench``."""
     p = argparse.ArgumentParser(prog="tfcs-bench", description=__doc__.split("\n")[0])
     p.add_argument("-np", type=int, default=2)
     p.add_argument("--op", choices=["allreduce", "broadcast", "allgather"], default="allreduce")
@@ -282,14 +283,15 @@ def main(argv=None):
                         "so the largest sizes may take longer than --budget)")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--plot", help="write a PNG plot here")
-    args = p.parse_args(argv)
-    if args.gap_ms < 0:
-        p.error(f"--gap-ms must be 0 or more, got {args.gap_ms}")
-    if args.rounds < 1:
-        p.error(f"--rounds must be 1 or more, got {args.rounds}")
-    if not args.interleave:
-        args.rounds = 1
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    return p
+
+
+def _select_peers(p: argparse.ArgumentParser, args) -> List[str]:
+    """The peers of ``--compare`` that can run this op here; without any, the run is not interleaved.
+
+    An unknown peer is a usage error; gloo without torch and tf-ring for a broadcast are left out with a
+    note on stderr.
+    """
     peers = [c for c in args.compare.split(",") if c]
     for c in peers:
         if c not in ("tf-ring", "gloo"):
@@ -305,21 +307,27 @@ def main(argv=None):
         peers.remove("tf-ring")
     if not peers:
         args.interleave, args.rounds = False, 1
-    try:
-        raw = run_job(["tfcs"] + peers, args, sizes) if args.interleave else {}
-        if args.interleave and not raw["tfcs"]:  # the shared job failed: each on its own, as without it
-            print("tfcs-bench: the interleaved job failed; running each implementation as its own job",
-                  file=sys.stderr)
-            args.interleave, args.rounds, raw = False, 1, {}
-        if not args.interleave:
-            for impl in ["tfcs"] + peers:
-                raw.update(run_job([impl], args, sizes))
-    except Interrupted as e:
-        print(f"tfcs-bench: interrupted (exit code {e.code}); the remaining jobs were not run", file=sys.stderr)
-        return e.code
-    results = {impl: summarize(r, args.op, args.np) for impl, r in raw.items() if r}
-    add_round_ratios(results, raw)
-    info = raw.get('tfcs', {}).get('info', {})
+    return peers
+
+
+def _run_jobs(peers: List[str], args, sizes: List[int]) -> dict:
+    """The raw results of every implementation: one shared interleaved job, or one job each.
+
+    A failed interleaved job falls back to one job per implementation (and clears ``args.interleave``).
+    """
+    raw = run_job(["tfcs"] + peers, args, sizes) if args.interleave else {}
+    if args.interleave and not raw["tfcs"]:  # the shared job failed: each on its own, as without it
+        print("tfcs-bench: the interleaved job failed; running each implementation as its own job",
+              file=sys.stderr)
+        args.interleave, args.rounds, raw = False, 1, {}
+    if not args.interleave:
+        for impl in ["tfcs"] + peers:
+            raw.update(run_job([impl], args, sizes))
+    return raw
+
+
+def _report(args, sizes: List[int], results: dict, info: dict) -> None:
+    """Print the heading and the table, and write the ``--json`` and ``--plot`` files when asked."""
     print(f"\n{args.op}, {args.np} ranks, float32, backend {args.backend}, transport "
           f"{info.get('transport', '?')}, all-reduce {info.get('allreduce', '?')}, "
           f"{'shared' if info.get('buffers') == 'shared' else 'private'} buffers"
@@ -335,6 +343,28 @@ def main(argv=None):
                        "results": {k: {str(s): v for s, v in r.items()} for k, r in results.items()}}, f, indent=1)
     if args.plot and results:
         plot(results, sizes, args.op, args.np, args.plot)
+
+
+def main(argv=None):
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.gap_ms < 0:
+        p.error(f"--gap-ms must be 0 or more, got {args.gap_ms}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be 1 or more, got {args.rounds}")
+    if not args.interleave:
+        args.rounds = 1
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    peers = _select_peers(p, args)
+    try:
+        raw = _run_jobs(peers, args, sizes)
+    except Interrupted as e:
+        print(f"tfcs-bench: interrupted (exit code {e.code}); the remaining jobs were not run", file=sys.stderr)
+        return e.code
+    results = {impl: summarize(r, args.op, args.np) for impl, r in raw.items() if r}
+    add_round_ratios(results, raw)
+    info = raw.get('tfcs', {}).get('info', {})
+    _report(args, sizes, results, info)
     return 0 if "tfcs" in results else 1
 
 

@@ -221,6 +221,23 @@ def allreduce_by_allgather(link, flat: np.ndarray, op: ReduceOp, chunk_elems: in
     return flat
 
 
+def _allreduce_wide(link, flat: np.ndarray, op: ReduceOp, chunks: Sequence, bounds: Sequence[int]) -> np.ndarray:
+    """The ring all-reduce of ``allreduce`` for float16 / bfloat16 sums, means and products, in place.
+
+    The reduce-scatter half runs on a float32 copy, so the partials travel and add up in float32; this
+    rank's reduced segment is rounded once into ``flat``, and the all-gather half moves the rounded values.
+    """
+    W, r = link.size, link.rank
+    acc = flat.astype(np.float32)
+    _reduce_scatter_steps(link, acc, op, chunks, then_send_final=False)
+    lo, hi = bounds[r], bounds[r + 1]
+    if op is ReduceOp.MEAN:
+        finish_mean(acc[lo:hi], W)
+    flat[lo:hi] = acc[lo:hi]
+    _allgather_steps(link, flat, chunks, step0=W - 1, send_first=True)
+    return flat
+
+
 def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_bytes: int = 0,
               src: Optional[np.ndarray] = None) -> np.ndarray:
     """Ring all-reduce of a 1-D contiguous array; returns ``flat``.
@@ -265,14 +282,7 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
     cuts = sorted(set(getattr(flat, "cuts", ())) | set(getattr(src, "cuts", ())))
     chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems, cuts) for i in range(W)]
     if needs_wide_accumulator(flat.dtype, op):
-        acc = flat.astype(np.float32)
-        _reduce_scatter_steps(link, acc, op, chunks, then_send_final=False)
-        lo, hi = bounds[r], bounds[r + 1]
-        if op is ReduceOp.MEAN:
-            finish_mean(acc[lo:hi], W)
-        flat[lo:hi] = acc[lo:hi]
-        _allgather_steps(link, flat, chunks, step0=W - 1, send_first=True)
-        return flat
+        return _allreduce_wide(link, flat, op, chunks, bounds)
     if op is ReduceOp.MEAN:
         # Divide this rank's own segment before it is sent: once a chunk is handed to the link it may
         # still be leaving from this memory (zero-copy socket sends), so nothing sent is touched again.

@@ -280,7 +280,6 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
     host = args.host or "127.0.0.1"
     port = args.port or _free_port(host)
     coordinator = join_host_port(host, port)
-    lock = threading.Lock()
     procs, threads = [], []
     exits: List[Tuple[int, int]] = []  # (rank, code) in the order the workers exited
     exits_lock = threading.Lock()
@@ -292,21 +291,8 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
 
     job = Job(procs)
     job_box[:] = [job]
-    for rank in range(args.np):
-        env = worker_env(base, rank, args.np, coordinator, args, restart=attempt)
-        try:
-            p = subprocess.Popen(_worker_argv(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as e:
-            _say(f"tfcs-run: cannot start {command[0]!r}: {e}")
-            job.stop(grace=2.0)
-            return 127
-        procs.append(p)
-        prefix = b"" if args.no_prefix else f"[{rank}] ".encode()
-        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            threads.append(threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True))
-            threads[-1].start()
-        threading.Thread(target=wait_for, args=(rank, p), daemon=True).start()
+    if not _start_workers(args, command, base, attempt, coordinator, job, threads, wait_for):
+        return 127
     exit_code = 0
     signalled_at = None
     try:
@@ -325,20 +311,7 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
                 if received:
                     job.stop()
                     break
-                _say(f"tfcs-run: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; giving the other "
-                     f"workers {args.grace:g} s to stop")
-                end = time.monotonic() + args.grace
-                while time.monotonic() < end and not received:
-                    alive = [p for p in procs if p.poll() is None]
-                    if not alive or all(_is_stopped(p.pid) for p in alive):
-                        break  # stopped workers will not report anything themselves
-                    time.sleep(0.05)
-                stopped = {r for r, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)}
-                for r in sorted(stopped):
-                    _say(f"tfcs-run: rank {r} (pid {procs[r].pid}) is stopped (SIGSTOP?) and will be killed")
-                job.stop()
-                others = [f"rank {r} {_describe(p.returncode)}" for r, p in enumerate(procs) if r != rank]
-                _say(f"tfcs-run: job failed: rank {rank} {_describe(code)} (first failure); " + "; ".join(others))
+                _stop_after_failure(args, job, rank, code, received)
                 break
             if len(done) == len(procs):
                 break
@@ -350,6 +323,56 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
             t.join(timeout=max(0.0, end - time.monotonic()))
         _remove_segments_of({p.pid for p in procs})
     return exit_code
+
+
+def _start_workers(args, command, base: dict, attempt: int, coordinator: str, job: Job, threads: list,
+                   wait_for) -> bool:
+    """Start the ``args.np`` workers into ``job.procs``, each with threads that pump its output.
+
+    Every worker's stdout and stderr go through ``_pump`` threads (appended to ``threads``) that prefix
+    its lines with its rank; ``wait_for(rank, proc)`` runs in a thread of its own and records its exit.
+    A worker that cannot start stops those already started; the result is then False.
+    """
+    lock = threading.Lock()
+    for rank in range(args.np):
+        env = worker_env(base, rank, args.np, coordinator, args, restart=attempt)
+        try:
+            p = subprocess.Popen(_worker_argv(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            _say(f"tfcs-run: cannot start {command[0]!r}: {e}")
+            job.stop(grace=2.0)
+            return False
+        job.procs.append(p)
+        prefix = b"" if args.no_prefix else f"[{rank}] ".encode()
+        for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+            threads.append(threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True))
+            threads[-1].start()
+        threading.Thread(target=wait_for, args=(rank, p), daemon=True).start()
+    return True
+
+
+def _stop_after_failure(args, job: Job, rank: int, code: int, received: list) -> None:
+    """After rank ``rank`` failed with ``code``: give the others ``--grace`` seconds, stop them, report.
+
+    The grace period ends early on a signal to ``tfcs-run`` or once every worker left has exited or is
+    stopped (SIGSTOP: it reports nothing by itself); the report names every rank's outcome.
+    """
+    procs = job.procs
+    _say(f"tfcs-run: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; giving the other "
+         f"workers {args.grace:g} s to stop")
+    end = time.monotonic() + args.grace
+    while time.monotonic() < end and not received:
+        alive = [p for p in procs if p.poll() is None]
+        if not alive or all(_is_stopped(p.pid) for p in alive):
+            break  # stopped workers will not report anything themselves
+        time.sleep(0.05)
+    stopped = {r for r, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)}
+    for r in sorted(stopped):
+        _say(f"tfcs-run: rank {r} (pid {procs[r].pid}) is stopped (SIGSTOP?) and will be killed")
+    job.stop()
+    others = [f"rank {r} {_describe(p.returncode)}" for r, p in enumerate(procs) if r != rank]
+    _say(f"tfcs-run: job failed: rank {rank} {_describe(code)} (first failure); " + "; ".join(others))
 
 
 def _remove_segments_of(pids) -> None:

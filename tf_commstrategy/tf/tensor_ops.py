@@ -163,6 +163,50 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
+def _run_eager(fn: Callable, ts: Sequence[tf.Tensor], into: bool) -> list:
+    """``run_numpy``'s eager work: ``fn`` on host views of ``ts``; returns its outputs (arrays or tensors).
+
+    With ``into`` the outputs are fresh host tensors written through their numpy views, so they are
+    returned with no copy; where TensorFlow exposes no such view they are numpy arrays instead.
+    """
+    ins = [host_view(t) for t in ts]
+    if into:
+        made = [new_host_tensor(t.shape, t.dtype) for t in ts]
+        if all(m is not None for m in made):
+            fn(ins, [m[1] for m in made])
+            return [m[0] for m in made]
+        outs = [np.empty(a.shape, a.dtype) for a in ins]
+        fn(ins, outs)
+        return outs
+    return [np.asarray(o) for o in fn(ins)]
+
+
+def _numpy_function_body(fn: Callable, into: bool) -> Callable:
+    """The callback of ``run_numpy``'s ``tf.numpy_function``: ``fn`` on read-only views of its arguments.
+
+    The arguments arrive as views of the tensors' memory, writable as TF hands them over; ``fn`` gets
+    them read-only. With ``into`` the outputs are 64-byte aligned arrays, which become the result
+    tensors with no copy. TF wraps what a callback raises, so a ``TfcsError`` is noted in
+    ``errors_seen`` for ``unwrap_errors`` first.
+    """
+    def call(*arrays):
+        try:
+            ins = []
+            for a in arrays:
+                v = np.asarray(a).view()
+                v.flags.writeable = False  # never written
+                ins.append(v)
+            if into:
+                outs = [aligned_empty(a.shape, a.dtype) for a in ins]  # become the result tensors, no copy
+                fn(ins, outs)
+                return outs
+            return [np.asarray(o) for o in fn(ins)]
+        except TfcsError as e:
+            errors_seen.record(e)
+            raise
+    return call
+
+
 def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Sequence[tf.Tensor],
               out_dtypes: Sequence[tf.DType], out_shapes: Sequence, name: str = "tfcs_collective",
               into: bool = False):
@@ -188,47 +232,14 @@ def run_numpy(fn: Callable[[List[np.ndarray]], List[np.ndarray]], tensors: Seque
         ``unwrap_errors``).
     """
     check_not_xla(name)
-
-    def run(ts):
-        ins = [host_view(t) for t in ts]
-        if into:
-            made = [new_host_tensor(t.shape, t.dtype) for t in ts]
-            if all(m is not None for m in made):
-                fn(ins, [m[1] for m in made])
-                return [m[0] for m in made]
-            outs = [np.empty(a.shape, a.dtype) for a in ins]
-            fn(ins, outs)
-            return outs
-        return [np.asarray(o) for o in fn(ins)]
-
     if tf.executing_eagerly():
         ts = [t if isinstance(t, tf.Tensor) else tf.convert_to_tensor(t) for t in tensors]  # e.g. a variable
         return [o if isinstance(o, tf.Tensor) else tf.convert_to_tensor(o, dtype=d)
-                for o, d in zip(run(ts), out_dtypes)]
-
-    def run_arrays(arrays):  # numpy_function: views of the tensors' memory, writable as TF hands them over
-        ins = []
-        for a in arrays:
-            v = np.asarray(a).view()
-            v.flags.writeable = False  # never written
-            ins.append(v)
-        if into:
-            outs = [aligned_empty(a.shape, a.dtype) for a in ins]  # become the result tensors, no copy
-            fn(ins, outs)
-            return outs
-        return [np.asarray(o) for o in fn(ins)]
-
-    def recording(body):  # TF wraps what a callback raises: note ours for unwrap_errors
-        def call(*args):
-            try:
-                return body(args)
-            except TfcsError as e:
-                errors_seen.record(e)
-                raise
-        return call
+                for o, d in zip(_run_eager(fn, ts, into), out_dtypes)]
 
     with tf.device(HOST):
-        outs = tf.numpy_function(recording(run_arrays), list(tensors), list(out_dtypes), stateful=True, name=name)
+        outs = tf.numpy_function(_numpy_function_body(fn, into), list(tensors), list(out_dtypes), stateful=True,
+                                 name=name)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     for o, s in zip(outs, out_shapes):

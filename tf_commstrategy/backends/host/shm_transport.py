@@ -285,6 +285,62 @@ def ring_bytes(chunk_bytes: int) -> int:
     return HEADER_BYTES + max(4 << 20, 4 * align(chunk_bytes + 4096))
 
 
+def _discard(*segments: Optional[Segment]) -> None:
+    """Unlink and close this rank's own segments (None entries are skipped)."""
+    for seg in segments:
+        if seg is not None:
+            seg.unlink()
+            seg.close()
+
+
+def _create_own_segments(rank: int, want_in: bool, want_out: bool, chunk_bytes: int):
+    """This rank's bell, and its ring when it has an inbound link: ``(bell, ring, reason)``.
+
+    Both are None with ``reason`` saying why when shared memory cannot be used here (or no link wants
+    it: then ``reason`` is None too). Stale segments of killed jobs are swept first; a ``/dev/shm`` too
+    small for the ring shows when the space is reserved, and nothing is kept then.
+    """
+    reason = None
+    bell = ring = None
+    if want_in or want_out:
+        reason = available()
+        if reason is None:
+            removed = remove_stale_segments()
+            if removed:
+                log.warning("tf_commstrategy rank %d: removed %d stale shared-memory segment(s) left by "
+                            "killed jobs in %s", rank, removed, SHM_DIR)
+            try:
+                bell = Segment.create(BELL_BYTES, "bell")
+                if want_in:
+                    ring = Segment.create(ring_bytes(chunk_bytes), "ring")
+            except OSError as e:
+                free = free_mib()
+                reason = (f"cannot reserve {ring_bytes(chunk_bytes) >> 20} MiB in {SHM_DIR} ({e}; "
+                          f"{free} MiB free)")
+                _discard(bell, ring)
+                bell = ring = None
+    return bell, ring, reason
+
+
+class _PeerSegments:
+    """The neighbours' segments this rank maps during ``ShmLinks``'s set-up.
+
+    They live here rather than in locals so that a set-up failing half way closes whatever it mapped.
+    """
+
+    def __init__(self):
+        self.left_bell: Optional[Bell] = None
+        self.right_ring: Optional[Segment] = None
+        self.right_bell: Optional[Bell] = None
+
+    def close(self) -> None:
+        """Close (never unlink: their owners do) every segment mapped so far."""
+        for seg in (self.left_bell.seg if self.left_bell else None, self.right_ring,
+                    self.right_bell.seg if self.right_bell else None):
+            if seg is not None:
+                seg.close()
+
+
 class ShmLinks:
     """Sets up this rank's shared-memory links over the coordinator store (a collective step of init).
 
@@ -302,71 +358,32 @@ class ShmLinks:
         self.sender: Optional[ShmSender] = None
         self.receiver: Optional[ShmReceiver] = None
         self.own_problem: Optional[str] = None
-        reason = None
-        bell = ring = None
-        if want_in or want_out:
-            reason = available()
-            if reason is None:
-                removed = remove_stale_segments()
-                if removed:
-                    log.warning("tf_commstrategy rank %d: removed %d stale shared-memory segment(s) left by "
-                                "killed jobs in %s", rank, removed, SHM_DIR)
-                try:
-                    bell = Segment.create(BELL_BYTES, "bell")
-                    if want_in:
-                        ring = Segment.create(ring_bytes(chunk_bytes), "ring")
-                except OSError as e:
-                    free = free_mib()
-                    reason = (f"cannot reserve {ring_bytes(chunk_bytes) >> 20} MiB in {SHM_DIR} ({e}; "
-                              f"{free} MiB free)")
-                    for seg in (bell, ring):
-                        if seg is not None:
-                            seg.unlink()
-                            seg.close()
-                    bell = ring = None
-        left_bell = right_ring = right_bell = None
+        bell, ring, reason = _create_own_segments(rank, want_in, want_out, chunk_bytes)
+        peers = _PeerSegments()
         try:
             mine = {"bell": bell.path if bell else None, "ring": ring.path if ring else None, "why": reason}
             store.set(f"{prefix}/seg/{rank}", json.dumps(mine))
             self.fallback_reason = reason
             self.own_problem = reason  # a cause found on this rank (the job's report warns about it once)
             my_bell = Bell(bell) if bell else None
+
+            def waiter(peer: int) -> _Waiter:
+                return _Waiter(my_bell, peer, pids[peer], rank, describe, spin_s)
             # the left neighbour's bell: I ring it when I free space in my ring
             if want_in and my_bell is not None:
                 theirs = json.loads(store.get(f"{prefix}/seg/{left}", timeout))
                 try:
-                    left_bell = Bell(Segment.attach(theirs["bell"])) if theirs["bell"] else None
+                    peers.left_bell = Bell(Segment.attach(theirs["bell"])) if theirs["bell"] else None
                 except OSError as e:
                     self._found(f"cannot map rank {left}'s bell: {e}", own=True)
             if want_in:
-                store.set(f"{prefix}/bellok/{rank}", "1" if left_bell is not None else "0")
-            # my outbound: map the right neighbour's ring and bell
-            out_ok = False
+                store.set(f"{prefix}/bellok/{rank}", "1" if peers.left_bell is not None else "0")
             if want_out:
-                theirs = json.loads(store.get(f"{prefix}/seg/{right}", timeout))
-                if my_bell is not None and theirs["ring"] and theirs["bell"]:
-                    try:
-                        right_ring = Segment.attach(theirs["ring"])
-                        right_bell = Bell(Segment.attach(theirs["bell"]))
-                    except OSError as e:
-                        self._found(f"cannot map rank {right}'s segments: {e}", own=True)
-                elif theirs.get("why"):
-                    self._found(f"rank {right}: {theirs['why']}", own=False)
-                bell_ok = store.get(f"{prefix}/bellok/{right}", timeout) == "1"
-                out_ok = right_ring is not None and right_bell is not None and bell_ok
-                store.set(f"{prefix}/link/{right}", "1" if out_ok else "0")
-                if out_ok:
-                    waiter = _Waiter(my_bell, right, pids[right], rank, describe, spin_s)
-                    self.sender = ShmSender(right_ring, right_bell, waiter, rank, right)
-                else:
-                    for seg in (right_ring, right_bell.seg if right_bell else None):
-                        if seg is not None:
-                            seg.close()
+                self._connect_out(store, prefix, right, timeout, my_bell, peers, waiter)
             if want_in:
                 in_ok = store.get(f"{prefix}/link/{rank}", timeout) == "1"
                 if in_ok:
-                    waiter = _Waiter(my_bell, left, pids[left], rank, describe, spin_s)
-                    self.receiver = ShmReceiver(ring, left_bell, waiter, rank, left)
+                    self.receiver = ShmReceiver(ring, peers.left_bell, waiter(left), rank, left)
                 elif ring is not None:
                     ring.unlink()
                     ring.close()
@@ -376,13 +393,8 @@ class ShmLinks:
             if bell is not None:
                 bell.unlink()
         except BaseException:  # the store failed us (a neighbour gone, a deadline): leave nothing in /dev/shm
-            for seg in (bell, ring):
-                if seg is not None:
-                    seg.unlink()
-                    seg.close()
-            for seg in (left_bell.seg if left_bell else None, right_ring, right_bell.seg if right_bell else None):
-                if seg is not None:
-                    seg.close()
+            _discard(bell, ring)
+            peers.close()
             remove_stale_segments()  # and a neighbour's, if it died before unlinking them (kill -9 mid-setup)
             raise
         self.bell = my_bell
@@ -390,6 +402,33 @@ class ShmLinks:
         if self.fell_back:  # rank 0 warns once for the job (setup_report)
             log.debug("tf_commstrategy rank %d: shared memory unavailable (%s); using Unix sockets instead",
                       rank, self.fallback_reason or "a neighbour could not use it")
+
+    def _connect_out(self, store, prefix: str, right: int, timeout: float, my_bell: Optional[Bell],
+                     peers: "_PeerSegments", waiter: Callable[[int], _Waiter]) -> None:
+        """The outbound half of the set-up: map the right neighbour's ring and bell, declare the link.
+
+        The link is declared ("1" under ``<prefix>/link/<right>``) only if both segments mapped and the
+        right neighbour mapped this rank's bell; then ``self.sender`` writes into its ring, else what was
+        mapped is closed again. ``peers`` holds the mapped segments, so a failing set-up closes them.
+        """
+        theirs = json.loads(store.get(f"{prefix}/seg/{right}", timeout))
+        if my_bell is not None and theirs["ring"] and theirs["bell"]:
+            try:
+                peers.right_ring = Segment.attach(theirs["ring"])
+                peers.right_bell = Bell(Segment.attach(theirs["bell"]))
+            except OSError as e:
+                self._found(f"cannot map rank {right}'s segments: {e}", own=True)
+        elif theirs.get("why"):
+            self._found(f"rank {right}: {theirs['why']}", own=False)
+        bell_ok = store.get(f"{prefix}/bellok/{right}", timeout) == "1"
+        out_ok = peers.right_ring is not None and peers.right_bell is not None and bell_ok
+        store.set(f"{prefix}/link/{right}", "1" if out_ok else "0")
+        if out_ok:
+            self.sender = ShmSender(peers.right_ring, peers.right_bell, waiter(right), self.rank, right)
+        else:
+            for seg in (peers.right_ring, peers.right_bell.seg if peers.right_bell else None):
+                if seg is not None:
+                    seg.close()
 
     def _found(self, cause: str, own: bool) -> None:
         """Note why a link falls back. The first cause stays (a later failure usually follows from it);

@@ -86,6 +86,93 @@ def finish_mean(buf: bufmod.DeviceBuffer, world: int) -> None:
         arr /= arr.dtype.type(world)
 
 
+class SignatureCheck:
+    """The per-call signature check of the nccl backend: queues it, reads it, and names a mismatch.
+
+    It keeps 16 bytes of pinned host memory per GPU for the check's result, reused by every call (each
+    call waits for its own copy), and reads the peers' signatures from the store to describe a mismatch.
+    """
+
+    def __init__(self, nccl, group):
+        self._nccl = nccl
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self._host: Dict[int, tuple] = {}
+
+    def mismatch(self, comm: Communicator, sig: str, seq: int, hashes: Sequence[int]) -> CollectiveMismatchError:
+        """The error naming this rank's call and a disagreeing peer's call (read from the store).
+
+        This rank publishes its signature first; ``hashes`` (one per rank, or empty when unknown) skip
+        the peers known to agree. The peers get 5 seconds together to report theirs.
+        """
+        store = self.group.store
+        key = f"nccl/sig/{comm.generation}/{seq}"
+        try:
+            store.set(f"{key}/{self.rank}", sig)
+        except Exception:  # noqa: BLE001 - the mismatch is the error; the peers then read "(unknown ...)"
+            pass
+        mine = signature_hash(sig, seq)
+        other, theirs = None, "(unknown: it did not report its call in time)"
+        end = time.monotonic() + 5.0  # for all the peers together, however many stay silent
+        for r in range(self.size):
+            if r == self.rank or (hashes and hashes[r] == mine):
+                continue
+            try:
+                text = store.get(f"{key}/{r}", max(0.05, end - time.monotonic()))
+            except Exception:
+                if other is None:
+                    other = r
+                continue
+            if text != sig:
+                other, theirs = r, text
+                break
+        return CollectiveMismatchError(
+            f"ranks disagree on nccl collective #{seq}: this rank called [{sig}], rank {other} called [{theirs}]",
+            rank=self.rank, seq=seq, local_signature=sig, remote_signature=theirs, remote_rank=other,
+            fix="make every rank issue the same collectives in the same order, with the same op, dtype, shape "
+                "and root")
+
+    def queue(self, comm: Communicator, stream, sig: str, seq: int) -> Callable:
+        """Queue the signature all-reduce and the copy of its result to pinned host memory on ``stream``.
+
+        Returns ``verify(final=False, settle=False)``: once the check's event is done (always with
+        ``final``; ``settle`` first waits up to ``SETTLE_S`` for it), it raises
+        ``CollectiveMismatchError`` if the ranks disagreed, after aborting the communicator (the
+        mismatched collective may never end); until then it returns at once.
+        """
+        import cupy
+        h = signature_hash(sig, seq)
+        host = self._host.get(comm.device_id)
+        if host is None:  # 16 bytes of pinned memory per GPU, reused: every call waits for its own copy
+            mem = cupy.cuda.alloc_pinned_memory(16)
+            host = self._host[comm.device_id] = (mem, np.frombuffer(mem, np.int64, 2))
+        chk = cupy.asarray(np.array([h, -h], dtype=np.int64))
+        comm.comm.allReduce(chk.data.ptr, chk.data.ptr, 2, self._nccl.NCCL_INT64, self._nccl.NCCL_MAX, stream.ptr)
+        cupy.cuda.runtime.memcpyAsync(host[0].ptr, chk.data.ptr, 16, 2, stream.ptr)  # 2: device to host
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        done = False
+
+        def verify(final: bool = False, settle: bool = False) -> None:
+            nonlocal done, chk  # chk stays alive until the all-reduce has run
+            if done:
+                return
+            if settle:
+                end = time.monotonic() + SETTLE_S
+                while not event.done and time.monotonic() < end:
+                    time.sleep(1e-4)
+            if not (final or event.done):
+                return
+            done, chk = True, None
+            top, neg_low = (int(v) for v in host[1])
+            if top != h or neg_low != -h:
+                comm.abort()
+                raise self.mismatch(comm, sig, seq, [])
+
+        return verify
+
+
 class NcclBackend(Backend):
     """Collectives over NCCL, one communicator per GPU of this rank (created on first use)."""
 
@@ -105,7 +192,7 @@ class NcclBackend(Backend):
         self._seq = 0
         self._lock = threading.Lock()
         self._failed: Optional[BaseException] = None
-        self._check_host: Dict[int, tuple] = {}
+        self._checks = SignatureCheck(nccl, group)
         log.info("tf_commstrategy rank %d: nccl backend (NCCL %s, signature checks %s)", self.rank,
                  nccl.get_version(), "on" if self.check else "off")
 
@@ -146,7 +233,7 @@ class NcclBackend(Backend):
                     stream = cupy.cuda.get_current_stream()
                     verify = None
                     if check and self.check and self.size > 1:
-                        verify = self._queue_signature_check(comm, stream, sig, seq)
+                        verify = self._checks.queue(comm, stream, sig, seq)
                     result = body(comm, stream, seq, deadline)
                     comm.wait(stream, deadline, sig, seq, self._control_failure, on_poll=verify)
                     if verify is not None:
@@ -182,73 +269,6 @@ class NcclBackend(Backend):
         grpc = self.group.built_backend("grpc")
         if grpc is not None and grpc.failure() is None:
             grpc.abort(error)  # tells every other rank over the control plane
-
-    def _mismatch(self, comm: Communicator, sig: str, seq: int, hashes: Sequence[int]) -> CollectiveMismatchError:
-        store = self.group.store
-        key = f"nccl/sig/{comm.generation}/{seq}"
-        try:
-            store.set(f"{key}/{self.rank}", sig)
-        except Exception:  # noqa: BLE001 - the mismatch is the error; the peers then read "(unknown ...)"
-            pass
-        mine = signature_hash(sig, seq)
-        other, theirs = None, "(unknown: it did not report its call in time)"
-        end = time.monotonic() + 5.0  # for all the peers together, however many stay silent
-        for r in range(self.size):
-            if r == self.rank or (hashes and hashes[r] == mine):
-                continue
-            try:
-                text = store.get(f"{key}/{r}", max(0.05, end - time.monotonic()))
-            except Exception:
-                if other is None:
-                    other = r
-                continue
-            if text != sig:
-                other, theirs = r, text
-                break
-        return CollectiveMismatchError(
-            f"ranks disagree on nccl collective #{seq}: this rank called [{sig}], rank {other} called [{theirs}]",
-            rank=self.rank, seq=seq, local_signature=sig, remote_signature=theirs, remote_rank=other,
-            fix="make every rank issue the same collectives in the same order, with the same op, dtype, shape "
-                "and root")
-
-    def _queue_signature_check(self, comm: Communicator, stream, sig: str, seq: int) -> Callable:
-        """Queue the signature all-reduce and the copy of its result to pinned host memory on ``stream``.
-
-        Returns ``verify(final=False, settle=False)``: once the check's event is done (always with
-        ``final``; ``settle`` first waits up to ``SETTLE_S`` for it), it raises
-        ``CollectiveMismatchError`` if the ranks disagreed, after aborting the communicator (the
-        mismatched collective may never end); until then it returns at once.
-        """
-        import cupy
-        h = signature_hash(sig, seq)
-        host = self._check_host.get(comm.device_id)
-        if host is None:  # 16 bytes of pinned memory per GPU, reused: every call waits for its own copy
-            mem = cupy.cuda.alloc_pinned_memory(16)
-            host = self._check_host[comm.device_id] = (mem, np.frombuffer(mem, np.int64, 2))
-        chk = cupy.asarray(np.array([h, -h], dtype=np.int64))
-        comm.comm.allReduce(chk.data.ptr, chk.data.ptr, 2, self._nccl.NCCL_INT64, self._nccl.NCCL_MAX, stream.ptr)
-        cupy.cuda.runtime.memcpyAsync(host[0].ptr, chk.data.ptr, 16, 2, stream.ptr)  # 2: device to host
-        event = cupy.cuda.Event(block=False, disable_timing=True)
-        event.record(stream)
-        done = False
-
-        def verify(final: bool = False, settle: bool = False) -> None:
-            nonlocal done, chk  # chk stays alive until the all-reduce has run
-            if done:
-                return
-            if settle:
-                end = time.monotonic() + SETTLE_S
-                while not event.done and time.monotonic() < end:
-                    time.sleep(1e-4)
-            if not (final or event.done):
-                return
-            done, chk = True, None
-            top, neg_low = (int(v) for v in host[1])
-            if top != h or neg_low != -h:
-                comm.abort()
-                raise self._mismatch(comm, sig, seq, [])
-
-        return verify
 
     def _dt(self, buf: bufmod.DeviceBuffer) -> int:
         return nccl_dtype(self._nccl, buf.dtype)
@@ -333,7 +353,7 @@ class NcclBackend(Backend):
             got = [int(v) for v in metas.get(stream=stream)]
             hashes, counts = got[0::2], got[1::2]
             if any(x != h for x in hashes):
-                raise self._mismatch(comm, sig, seq, hashes)
+                raise self._checks.mismatch(comm, sig, seq, hashes)
             top = max(counts)
             per = _prod(trailing)
             if all(c == top for c in counts):
