@@ -532,8 +532,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "1 MiB; 4 MiB when every ring link is a raw socket and some host has more ranks than cores"),
     Setting(("TFCS_SHM_FUSION_BYTES",),
             "each rank's shared all-reduce buffer when every rank of the job shares one host's memory (with 2 "
-            "ranks the Python path uses only its one-round path, for all-reduces of at most 64 KiB, and the "
-            "compiled all-reduce all of it); 0 keeps the ring and turns the compiled all-reduce off ([backends](backends.md#every-rank-on-one-host-shared-all-reduce-buffers))", "8 MiB"),
+            "ranks at most 130 KiB: they use only its one-round path, for all-reduces of at most 64 KiB); 0 keeps "
+            "the ring ([backends](backends.md#every-rank-on-one-host-shared-all-reduce-buffers))", "8 MiB"),
     Setting(("TFCS_SHM_CMA",),
             "every rank on one host: the smallest all-reduce of private arrays that reads the peers' arrays by "
             "cross-memory attach (`process_vm_readv`) instead of copying through shared memory; at least 64 KiB; "

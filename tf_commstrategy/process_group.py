@@ -11,12 +11,12 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from . import config
 from .core import grpc_util
 from .core.auto import choose
-from .core.backend import Backend, factory_for, normalize_backend_name
+from .core.backend import Backend, CollectiveWatch, factory_for, normalize_backend_name
 from .errors import ConfigurationError, NotInitializedError
 from .rendezvous import rendezvous as rdv
 from .rendezvous.cluster_env import ClusterSpec, split_host_port
@@ -101,6 +101,7 @@ class ProcessGroup:
         self._close_hooks = []  # called at shutdown, before the backends close (add_close_hook)
         self._failure_hooks = []  # called with the first error that makes the group unusable
         self._failure_sources = []  # layers above with collectives of their own: their failure, or None
+        self.collective_watches: List[CollectiveWatch] = []  # layers above with collectives of their own, told of the backend's (below)
         self._lock = threading.Lock()
         self._closed = False
         self.default_backend = settings.backend
@@ -148,6 +149,14 @@ class ProcessGroup:
         """``source()`` gives the error that made a layer above unusable (its own collectives), or None;
         ``failure`` reports it as the group's."""
         self._failure_sources.append(source)
+
+    def add_collective_watch(self, watch) -> None:
+        """A layer above with collectives of its own that do not go through the backends (the compiled
+        all-reduce) learns when this rank is inside a backend collective (``watch.python_enter()`` /
+        ``watch.python_leave()``), and while it waits there is asked whether a peer has been inside one
+        of the layer's own collectives all along (``watch.python_problem(seq, sig)``: the error to raise,
+        or None): the ranks then called different collectives, reported long before the deadline."""
+        self.collective_watches.append(watch)
 
     def failure(self) -> Optional[BaseException]:
         """The error that made a backend of this group (or a layer's collectives) unusable, or None."""

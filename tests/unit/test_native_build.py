@@ -255,7 +255,8 @@ def _call(lib, name, timeout=0.3):
     import tensorflow as tf
     from tf_commstrategy.tf.native_path import typed_error
     try:
-        lib.tfcs_shm_all_reduce(inputs=[tf.ones([3])], segment=name, timeout=timeout, spin_us=0, mean=False)
+        lib.tfcs_shm_all_reduce(inputs=[tf.ones([3])], segment=name, timeout=timeout, spin_us=0, mean=False,
+                                diverge_s=5.0)
     except tf.errors.OpError as e:
         return typed_error(e), e
     return None, None

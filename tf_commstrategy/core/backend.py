@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
-from ..errors import BackendUnavailableError, ConfigurationError
+from ..errors import BackendUnavailableError, CollectiveMismatchError, ConfigurationError
 from .reduce_ops import ReduceOp
 
 
@@ -44,32 +44,20 @@ class BackendStats:
     collectives: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedSlots:
-    """A host backend's shared all-reduce buffers, for a layer above that runs their one-round protocol
-    in compiled code (the TF layer's all-reduce op; docs/backends.md): the same segments, words and
-    sequence as the backend's own collectives, so the two interleave as one sequence of collectives.
+class CollectiveWatch(Protocol):
+    """A layer above with collectives of its own that do not go through the backends (the TF layer's
+    compiled all-reduce), told when this rank is inside a backend collective
+    (``ProcessGroup.add_collective_watch``)."""
 
-    Attributes:
-      name: a name for the buffers, unique in this process (the compiled op finds them by it).
-      rank, size: this rank and the job's size.
-      addresses: every rank's segment as mapped in this process, in rank order.
-      layout: the protocol's word indices and byte offsets (``backends/host/shm_layout.COMPILED_LAYOUT``
-        and the slot geometry), in the order the compiled implementation reads them.
-      pids: every rank's process id, in rank order.
-      share_turn: ``share_turn(lock)`` makes the backend hold ``lock`` (``acquire()`` / ``release()``)
-        for each of its collectives, the lock the compiled implementation holds for each of its own.
-      on_close: ``on_close(hook)``: ``hook()`` runs before the backend unmaps the segments.
-    """
+    def python_enter(self) -> None:
+        """This rank enters a backend collective."""
 
-    name: str
-    rank: int
-    size: int
-    addresses: Tuple[int, ...]
-    layout: Tuple[int, ...]
-    pids: Tuple[int, ...]
-    share_turn: Callable[[object], None]
-    on_close: Callable[[Callable[[], None]], None]
+    def python_leave(self) -> None:
+        """This rank left it."""
+
+    def python_problem(self, seq: int, sig: str) -> Optional[CollectiveMismatchError]:
+        """While this rank waits in backend collective ``seq`` [``sig``]: the error to raise when the
+        ranks called different collectives (a peer waits in one of the layer's own), or None."""
 
 
 class Group(Protocol):
@@ -85,6 +73,7 @@ class Group(Protocol):
       transport: the data path asked for ("auto", "shm", "unix", "tcp", "grpc").
       token: the job's shared secret (None: none configured).
       tls: the TLS settings (None: plaintext control plane).
+      collective_watches: the layers told of this rank's backend collectives.
     """
 
     rank: int
@@ -97,6 +86,7 @@ class Group(Protocol):
     transport: str
     token: Optional[str]
     tls: object
+    collective_watches: Sequence[CollectiveWatch]
 
     def failed(self, error: BaseException) -> None:
         """A backend reports the error that made it unusable (from any thread)."""
@@ -232,11 +222,6 @@ class Backend(abc.ABC):
     def stats(self) -> BackendStats:
         """What this backend has done so far (a subclass of ``BackendStats`` may say more)."""
         return BackendStats()
-
-    def shared_slots(self) -> Optional[SharedSlots]:
-        """This backend's shared all-reduce buffers for a compiled implementation of their protocol, or
-        None (the default: a backend without them)."""
-        return None
 
     def quiesce(self) -> None:
         """Shutdown has begun: peers going away is expected from now on (stop watching them)."""

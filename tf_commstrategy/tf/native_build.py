@@ -44,7 +44,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "shm
 BUILD_TIMEOUT_S = config.NATIVE_BUILD_TIMEOUT_S
 LOCK_WAIT_S = config.NATIVE_LOCK_WAIT_S
 #: The C entry points that native_path reaches with ctypes: a library without them is not this source's.
-ENTRY_POINTS = ("TfcsShmRegister", "TfcsShmRelease", "TfcsTurn", "TfcsShmCounters", "TfcsShmState")
+ENTRY_POINTS = ("TfcsShmRegister", "TfcsShmRelease")
 PREBUILD_COMMAND = "python -m tf_commstrategy.tf.native_build"
 
 _lock = threading.Lock()

@@ -2,29 +2,28 @@
 
 ``CommCrossDeviceOps`` hands a step's host gradients (float32 or float64) to ``NativeAllReduce``
 instead of the ``tf.numpy_function`` bridge: one op reads the tensors where they are and writes the
-outputs it allocates, through the host backend's shared all-reduce buffers (``native/
+outputs it allocates, through a shared-memory segment that every rank maps (``native/
 shm_allreduce.cc``). No Python and no GIL in the step, no concatenation before the collective and no
 split after it (docs/benchmarks.md compares ``model.fit`` with it and without it).
 
 When: ``TFCS_NATIVE`` is ``auto`` (default) or ``1``, the job has at least 2 ranks, all of them
 share one host's memory (same host, /dev/shm and pid namespace: the same facts that choose the shm
 transport), the job did not ask for another transport (``tcp``, ``unix``, ``grpc``), the op builds
-(``native_build``), and the host backend has its shared all-reduce buffers. Every rank says whether
-it can, and the op is used only if all can: a collective step, taken when the first ``CommStrategy`` of a process group is made.
-Where only the op's build or its registration stands in the way (a fallback, not a choice), every rank
+(``native_build``), and the segment can be made. Every rank says whether it can, and the op is used
+only if all can: a collective step, taken when the first ``CommStrategy`` of a process group is made.
+Where only the op's build or its segment stands in the way (a fallback, not a choice), every rank
 logs a WARNING with the reason and the fix (``TFCS_NATIVE=0`` silences it).
 
-The buffers: the host backend's shared all-reduce buffers (``Backend.shared_slots``), whose one-round
-protocol the op runs in compiled code: the same segments, words and collective numbers as the backend's
-own collectives, under one lock per process (``TfcsTurn``, which the backend then holds for each of its
-collectives). So the op's calls and the backend's collectives are one sequence: a rank in the op and a
-peer in a different collective of the same number report the mismatch at once, from either side. Every
-rank registers the buffers in the library's process-wide table under their name (addresses, layout,
-this rank, every rank's pid); a graph holds only the name (the op's ``segment`` attribute): the kernel
-looks it up when it runs, so a graph run in another process, or after shutdown, fails with a typed error
-instead of touching memory that is not the buffers. Before the backend unmaps the buffers, this rank
-marks itself gone in its state word (peers waiting for it fail at once) and the library marks the name
-shut down, under the lock every call holds.
+The segment: created by rank 0 (mode 0600, an unguessable name, ``shared_memory.Segment``), its name
+sent over the authenticated store, mapped by every rank, registered under its name in the library's
+process-wide table (address, layout, this rank, every rank's pid), and unlinked by rank 0 once all
+have mapped it. A graph holds only the name (the op's ``segment`` attribute): the kernel looks it up
+when it runs, so a graph run in another process, or after shutdown, fails with a typed error instead
+of touching memory that is not the segment. The mapping is never unmapped while the process lives
+(this module's views of it stay valid): at shutdown this rank marks itself gone in the segment (peers
+waiting for it fail at once), and the library marks the name shut down (a later call through an old
+graph fails cleanly) and swaps the shared pages for private memory that says "shut down", which
+gives them back.
 
 Errors: the op's errors carry a tag (``[tfcs-native:timeout]``, ...) that ``typed_error`` turns into
 the package's typed errors; ``tensor_ops.unwrap_errors`` raises them from ``fit`` and custom loops.
@@ -37,9 +36,11 @@ import json
 import logging
 import os
 import re
+import time
 import weakref
 from typing import List, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from .. import config
@@ -49,17 +50,24 @@ from ..errors import (CollectiveAbortedError, CollectiveError, CollectiveMismatc
 
 log = logging.getLogger("tf_commstrategy")
 
-STATE_SHUTDOWN, STATE_FAILED = 1, 5  # the op's kShutdown, kFailed (the values of a rank's state word)
+SLOT_BYTES = 4 << 20  # each rank's two slots: a step's gradients in pieces of at most this many bytes
+STATE_SHUTDOWN, STATE_FAILED, STATE_DIVERGED = 1, 5, 6  # the op's kShutdown, kFailed, kDiverged
 _TAG = re.compile(r"\[tfcs-native:(\w+)(?::(\d+))?\]\s*")
-_STATES = {2: "the ranks called different collectives", 3: "timed out", 4: "a peer process died",
-           5: "the process group failed"}
-#: the fix a fallback's WARNING names, by where the reason comes from (the op's build, or its registration)
+_STATES = {2: "ranks passed different tensors", 3: "timed out", 4: "a peer process died",
+           5: "the process group failed", 6: "the ranks called different collectives"}
+#: a rank inside this op and a peer inside a Python-path collective, both for this long: they diverged. The
+#: op keeps a sequence of its own because TensorFlow orders it against the Python path's collectives
+#: differently on different ranks (docs/backends.md), so a shared sequence cannot catch this.
+DIVERGE_S = 5.0
+DIVERGED_FIX = ("every rank must issue the same collectives in the same order; look for a collective (or a callback, "
+                "metric or strategy.run) that only some ranks call")
+#: the fix a fallback's WARNING names, by where the reason comes from (the op's build, or its segment)
 BUILD_FIX = ("install a C++ compiler (g++, or set CXX to one) and restart the job, or prebuild the op with "
              "`python -m tf_commstrategy.tf.native_build` (docs/backends.md)")
+SEGMENT_FIX = "give /dev/shm room for the segment (e.g. `docker run --shm-size=1g`) and restart the job"
 OTHER_FIX = "do what the reason says and restart the job"  # a refused cache, a stuck lock: the reason names it
 SILENCE = "or set TFCS_NATIVE=0 to keep the Python path without this warning"
-MISMATCH_FIX = ("every rank must issue the same collectives in the same order with the same tensors; look for a "
-                "collective (or a callback, metric or strategy.run) that only some ranks call")
+_kept: List[object] = []  # every segment this process mapped: never unmapped while it lives (see above)
 _by_group: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _attempts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -80,12 +88,22 @@ def spin_microseconds(ranks_on_host: int) -> int:
 class NativeAllReduce:
     """The compiled all-reduce of one process group, or None from ``for_group`` where it cannot run."""
 
-    def __init__(self, group, slots, lib):
-        self.group, self._lib = group, lib
-        self.name = slots.name  # the op's `segment` attribute: the graph holds no address
+    def __init__(self, group, seg, lib, header_bytes: int, capacity: int):
+        self.group, self._seg, self._lib = group, seg, lib
+        self.header_bytes, self.capacity = header_bytes, capacity
+        self.name = segment_name(seg)  # the op's `segment` attribute: the graph holds no address
         self._spin_us = spin_microseconds(group.size)
-        self._counters = _c_function("TfcsShmCounters", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64)])
-        self._state = _c_function("TfcsShmState", [ctypes.c_char_p, ctypes.c_uint64], ctypes.c_int64)
+        self._words = np.frombuffer(seg.mm, dtype=np.uint64, count=header_bytes // 8)
+        # this rank's words in the op's header (shm_allreduce.cc): its state line, and its counters line
+        self._states = [_word(group.size, r, line_kind=2) for r in range(group.size)]  # every rank's state word
+        self._state = self._states[group.rank]
+        self._calls = _word(group.size, group.rank, line_kind=3, offset=2)
+        self._busy_ns = _word(group.size, group.rank, line_kind=3, offset=3)
+        self._wait_ns = _word(group.size, group.rank, line_kind=3, offset=4)
+        # since when each rank is inside this op (the op writes it), and this rank in a Python-path collective
+        self._native_since = [_word(group.size, r, line_kind=3, offset=5) for r in range(group.size)]
+        self._python_since = _word(group.size, group.rank, line_kind=3, offset=6)
+        self.diverge_s = DIVERGE_S
 
     # -- set-up ----------------------------------------------------------------------------------
     @classmethod
@@ -108,10 +126,8 @@ class NativeAllReduce:
             return None
         _attempts[group] = attempt = _attempts.get(group, 0) + 1  # keys of their own for a retry after an error
         prefix = f"native/{attempt}"
-        why, lib, choice, slots = cls._local_reason(group, mode)
+        why, lib, choice = cls._local_reason(group, mode)
         store, rank, size, t = group.store, group.rank, group.size, group.rendezvous_timeout
-        if not why:  # registered on every rank that can, before the verdict: a rank that cannot unregisters
-            why = _register(slots)
         # every rank says whether it can, why not (a choice, or a fallback and its fix), and whether it
         # requires the op: the same verdict everywhere
         fix = BUILD_FIX if ("compiler" in why or "build failed" in why) else OTHER_FIX
@@ -119,41 +135,84 @@ class NativeAllReduce:
                                                       "fix": fix}))
         said = [json.loads(store.get(f"{prefix}/can/{r}", t)) for r in range(size)]
         bad = [(r, x) for r, x in enumerate(said) if x["why"]]
-        if bad:
-            if slots is not None and not why:
-                _release(slots.name)
-            _report(rank, bad, required=any(x["required"] for x in said))
-            return None
-        native = cls(group, slots, lib)
-        slots.share_turn(_Turn())  # from here on the backend's collectives and the op's take turns
-        slots.on_close(native.close)
-        group.add_failure_hook(native.fail)
-        group.add_failure_source(native.error)
-        if rank == 0:
-            log.info("tf_commstrategy: the strategy's all-reduce runs as a compiled op in the shared all-reduce "
-                     "buffers (%d ranks on one host)", size)
-        return native
+        if not bad:
+            seg, whys = cls._map_segment(group, prefix)
+            if seg is not None:
+                native = cls(group, seg, lib, _header_bytes(size), SLOT_BYTES)
+                group.add_close_hook(native.close)
+                group.add_failure_hook(native.fail)
+                group.add_failure_source(native.error)
+                group.add_collective_watch(native)
+                if rank == 0:
+                    log.info("tf_commstrategy: the strategy's all-reduce runs as a compiled op through shared "
+                             "memory (%d ranks on one host)", size)
+                return native
+            bad = [(r, {"why": w, "choice": False, "fix": SEGMENT_FIX}) for r, w in whys]
+        _report(rank, bad, required=any(x["required"] for x in said))
+        return None
 
     @staticmethod
     def _local_reason(group, mode: str):
-        """Why this rank cannot use the op ("" if it can), the loaded op module, whether the reason is a
-        choice (off, several hosts, another transport, no shared buffers) rather than a fallback, and
-        the host backend's shared slots."""
+        """Why this rank cannot use the op ("" if it can), the loaded op module, and whether the reason
+        is a choice (off, several hosts, another transport) rather than a fallback."""
         if mode == "off":
-            return "off (TFCS_NATIVE=0)", None, True, None
+            return "off (TFCS_NATIVE=0)", None, True
         if len({x.shm_key for x in group.workers}) != 1:
-            return "the ranks do not all share one host's memory", None, True, None
+            return "the ranks do not all share one host's memory", None, True
         asked = config.parse_transport(group.transport)
         if asked not in ("auto", "shm"):
-            return f"transport {asked!r} was asked for", None, True, None
-        slots = group.backend("grpc").shared_slots()  # built here if not yet: a collective step of its own
-        if slots is None:
-            return ("the host backend has no shared all-reduce buffers (TFCS_SHM_FUSION_BYTES=0, or they could "
-                    "not be made: see its warning)"), None, True, None
+            return f"transport {asked!r} was asked for", None, True
         from . import native_build
         # a wait for another rank's build ends before the peers stop waiting for this rank's answer
         lib, why = native_build.library(wait_s=group.rendezvous_timeout)
-        return ("" if lib is not None else why), lib, False, slots
+        return ("" if lib is not None else why), lib, False
+
+    @staticmethod
+    def _map_segment(group, prefix: str):
+        """Rank 0 makes the segment, every rank maps and registers it, rank 0 unlinks it: (segment, []) or
+        (None, [(rank, why), ...])."""
+        from ..core import shared_memory
+        store, rank, size, t = group.store, group.rank, group.size, group.rendezvous_timeout
+        nbytes = _header_bytes(size) + size * 2 * SLOT_BYTES
+        seg, why = None, ""
+        try:
+            if rank == 0:
+                try:
+                    seg = shared_memory.Segment.create(nbytes, "native")
+                    store.set(f"{prefix}/seg", seg.path)
+                except OSError as e:
+                    why = (f"cannot reserve {nbytes >> 20} MiB in {shared_memory.SHM_DIR} ({e}; "
+                           f"{shared_memory.free_mib()} MiB free)")
+                    store.set(f"{prefix}/seg", "")
+            else:
+                path = store.get(f"{prefix}/seg", t)
+                if path:
+                    try:
+                        seg = shared_memory.Segment.attach(path)
+                    except OSError as e:
+                        why = f"cannot map {path} ({e})"
+                else:
+                    why = "rank 0 could not make the segment"
+            if seg is not None and not why:
+                why = _register(seg, rank, size, [int(x.pid) for x in group.workers])
+            store.set(f"{prefix}/mapped/{rank}", why)
+            whys = [store.get(f"{prefix}/mapped/{r}", t) for r in range(size)]
+        except BaseException:
+            if seg is not None:
+                _release(seg)  # registered or not (ENOENT): no name of this process leads to it any more
+                if rank == 0:
+                    seg.unlink()
+            raise
+        if rank == 0 and seg is not None:
+            seg.unlink()  # every rank mapped it (or gave up): nothing stays in /dev/shm
+        bad = [(r, w) for r, w in enumerate(whys) if w]
+        if bad:
+            if seg is not None:
+                _release(seg)  # the name is shut down before the address can be reused
+                seg.close()
+            return None, bad
+        _kept.append(seg)
+        return seg, []
 
     # -- use -------------------------------------------------------------------------------------
     def handles(self, tensors) -> bool:
@@ -177,8 +236,9 @@ class NativeAllReduce:
         timeout = config.call_timeout(timeout, self.group.timeout, self.group.rank)  # > 0, or ConfigurationError
         with tf.device("/device:CPU:0"):
             try:
-                return list(self._lib.tfcs_shm_all_reduce(inputs=list(tensors), segment=self.name, timeout=timeout,
-                                                          spin_us=self._spin_us, mean=bool(mean)))
+                return list(self._lib.tfcs_shm_all_reduce(
+                    inputs=list(tensors), segment=self.name, timeout=timeout, spin_us=self._spin_us,
+                    mean=bool(mean), diverge_s=float(self.diverge_s)))
             except tf.errors.OpError as e:  # eagerly: the typed error now, and the group is unusable
                 ours = typed_error(e, getattr(self.group, "workers", None))
                 if ours is None:
@@ -187,30 +247,64 @@ class NativeAllReduce:
                     self.group.abort(ours)
                 raise ours from e
 
-    # -- what it has done ------------------------------------------------------------------------
-    def _count(self, i: int) -> int:
-        out = (ctypes.c_uint64 * 3)()
-        return int(out[i]) if self._counters(self.name.encode(), out) == 0 else 0
+    # -- the collective watch of the Python path (ProcessGroup.add_collective_watch) ----------------
+    def python_enter(self) -> None:
+        """This rank enters a collective of the Python path: the op of a peer that waits for this rank's
+        data all the while reports the ranks as diverged (``DIVERGE_S``)."""
+        self._words[self._python_since] = time.monotonic_ns()
+
+    def python_leave(self) -> None:
+        self._words[self._python_since] = 0
+
+    def python_problem(self, seq: int, sig: str) -> Optional[CollectiveMismatchError]:
+        """While this rank waits in Python-path collective ``seq`` [``sig``]: the error to raise when a
+        peer has been inside the compiled all-reduce for ``DIVERGE_S`` s and this rank here as long, or
+        when a peer's op found that first (its state word says so before its abort message arrives). This
+        rank's state word then says so too, so a peer's op that still waits raises the same error."""
+        me = self.group.rank
+        for p, word in enumerate(self._states):
+            if p != me and int(self._words[word]) == STATE_DIVERGED:
+                return self._diverged(seq, sig, p, f"rank {p}, waiting in the compiled all-reduce of the strategy's "
+                                                   f"gradients, found that the ranks called different collectives")
+        now = time.monotonic_ns()
+        mine = int(self._words[self._python_since])
+        limit = int(self.diverge_s * 1e9)
+        if mine == 0 or now - mine < limit:
+            return None
+        for p, word in enumerate(self._native_since):
+            since = int(self._words[word]) if p != me else 0
+            if since and now - since >= limit:
+                return self._diverged(seq, sig, p, f"collective #{seq} [{sig}] waited {(now - mine) * 1e-9:.1f} s "
+                                                   f"for rank {p}, which has been in the compiled all-reduce of "
+                                                   f"the strategy's gradients for {(now - since) * 1e-9:.1f} s: the "
+                                                   f"ranks called different collectives")
+        return None
+
+    def _diverged(self, seq: int, sig: str, peer: int, message: str) -> CollectiveMismatchError:
+        if self._words[self._state] == 0:
+            self._words[self._state] = STATE_DIVERGED
+        return CollectiveMismatchError(message, rank=self.group.rank, seq=seq, local_signature=sig,
+                                       remote_signature="the strategy's gradient all-reduce (compiled)",
+                                       remote_rank=peer, fix=DIVERGED_FIX)
 
     def calls(self) -> int:
-        """How many calls this rank has made."""
-        return self._count(0)
+        """How many calls this rank has made (the op counts them in the segment)."""
+        return int(self._words[self._calls])
 
     def busy_seconds(self) -> float:
-        """Time this rank has spent inside the op, waiting for its peers included."""
-        return self._count(1) * 1e-9
+        """Time this rank has spent inside the op, waiting for its peers included (it counts it)."""
+        return int(self._words[self._busy_ns]) * 1e-9
 
     def wait_seconds(self) -> float:
         """The part of ``busy_seconds`` this rank spent waiting for its peers (their data not there yet,
         or its slot still being read): the rest is its own copying and summing."""
-        return self._count(2) * 1e-9
+        return int(self._words[self._wait_ns]) * 1e-9
 
-    # -- failure and shutdown --------------------------------------------------------------------
     def error(self) -> Optional[TfcsError]:
         """Why a call of this rank's failed (its state word), or None while it is healthy: the process
         group counts it as its own failure (``ProcessGroup.failure``), also when no ``unwrap_errors`` saw it."""
-        state = int(self._state(self.name.encode(), 0))
-        if state in (0, -1, STATE_SHUTDOWN):
+        state = int(self._words[self._state])
+        if state in (0, STATE_SHUTDOWN):
             return None
         return CollectiveError(f"a compiled all-reduce failed ({_STATES.get(state, state)})", rank=self.group.rank,
                                fix="shut down (tfcs.shutdown()) and restart the job; errors are not recoverable "
@@ -219,39 +313,26 @@ class NativeAllReduce:
     def fail(self, error: BaseException) -> None:
         """The process group failed (a lost peer, a timeout, an abort from another rank): a call of
         this rank that waits ends within 50 ms, peers waiting for this rank too, and later calls fail."""
-        self._state(self.name.encode(), STATE_FAILED)
+        if self._words[self._state] == 0:
+            self._words[self._state] = STATE_FAILED
 
     def close(self) -> None:
-        """This rank leaves, before the backend unmaps the buffers: peers waiting for it fail at once,
-        and its own later calls fail cleanly.
+        """This rank leaves: peers waiting for it fail at once, and its own later calls fail cleanly.
 
         The state word first (a call of this rank still waiting sees it within 50 ms and ends), then the
-        library marks the name shut down under the lock every call holds, so no call is summing while
-        the buffers go."""
-        self._state(self.name.encode(), STATE_SHUTDOWN)
-        _release(self.name)
+        library marks the name shut down and swaps the shared pages for private memory that says "shut
+        down", under the lock every call holds, so no call is summing while the pages go."""
+        if self._words[self._state] == 0:
+            self._words[self._state] = STATE_SHUTDOWN
+        err = _release(self._seg)
+        if err:
+            log.warning("tf_commstrategy rank %d: could not release the compiled all-reduce's shared memory "
+                        "(errno %d); it is freed when the process exits", self.group.rank, err)
 
 
-class _Turn:
-    """The library's lock (``TfcsTurn``) as the lock the host backend holds for each collective: one
-    collective at a time per process, the op's and the backend's, as they share a sequence and slots.
-    ctypes lets go of the GIL while a call waits for it."""
-
-    def __init__(self):
-        self._turn = _c_function("TfcsTurn", [ctypes.c_int], None)
-
-    def acquire(self) -> bool:
-        self._turn(1)
-        return True
-
-    def release(self) -> None:
-        self._turn(0)
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+def segment_name(seg) -> str:
+    """The name a segment is registered under in the library, and the op's ``segment`` attribute."""
+    return os.path.basename(seg.path)
 
 
 def _c_function(name: str, argtypes, restype=ctypes.c_int):
@@ -262,22 +343,19 @@ def _c_function(name: str, argtypes, restype=ctypes.c_int):
     return fn
 
 
-def _register(slots) -> str:
-    """Register the backend's shared slots under their name in the library's table for this process: ""
-    or why not."""
-    register = _c_function("TfcsShmRegister", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64),
-                                               ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_int,
+def _register(seg, rank: int, size: int, pids: List[int]) -> str:
+    """Register ``seg`` under its name in the library's table for this process: "" or why not."""
+    register = _c_function("TfcsShmRegister", [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64,
+                                               ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                                ctypes.POINTER(ctypes.c_int64)])
-    size = slots.size
-    err = register(slots.name.encode(), (ctypes.c_int64 * size)(*slots.addresses),
-                   (ctypes.c_int64 * len(slots.layout))(*slots.layout), slots.rank, size,
-                   (ctypes.c_int64 * size)(*slots.pids))
-    return f"cannot register the shared buffers {slots.name} in the op's table ({os.strerror(err)})" if err else ""
+    err = register(segment_name(seg).encode(), seg.addr, len(seg.mm), _header_bytes(size), SLOT_BYTES, rank, size,
+                   (ctypes.c_int64 * size)(*pids))
+    return f"cannot register the segment {segment_name(seg)} in the op's table ({os.strerror(err)})" if err else ""
 
 
-def _release(name: str) -> int:
-    """Mark ``name`` shut down in the library (after a call in progress ends): 0, or errno."""
-    return _c_function("TfcsShmRelease", [ctypes.c_char_p])(name.encode())
+def _release(seg) -> int:
+    """Mark ``seg``'s name shut down in the library and give its shared pages back: 0, or errno."""
+    return _c_function("TfcsShmRelease", [ctypes.c_char_p])(segment_name(seg).encode())
 
 
 def _report(rank: int, bad, required: bool) -> None:
@@ -296,6 +374,17 @@ def _report(rank: int, bad, required: bool) -> None:
     elif rank == 0 and not first["why"].startswith("off"):
         log.info("tf_commstrategy: the strategy's all-reduce stays on the Python path (rank %d: %s)", r,
                  first["why"])
+
+
+def _word(size: int, rank: int, line_kind: int, offset: int = 0) -> int:
+    """Index (in uint64 words) of ``rank``'s word ``offset`` in line ``line_kind`` of the op's header:
+    64-byte lines, ``size`` of each kind (0 ready, 1 done, 2 state, 3 signatures and counters: calls at
+    offset 2, busy_ns at 3, wait_ns at 4, native_since at 5, python_since at 6)."""
+    return (line_kind * size + rank) * 8 + offset
+
+
+def _header_bytes(size: int) -> int:
+    return -(-(64 * 4 * size) // 4096) * 4096
 
 
 def typed_error(error: BaseException, workers=None) -> Optional[TfcsError]:
@@ -317,7 +406,11 @@ def typed_error(error: BaseException, workers=None) -> Optional[TfcsError]:
         return CollectiveTimeoutError(message, rank=rank, fix="a rank is slow or stuck (see the other ranks' "
                                                               "logs), or raise the timeout (TFCS_TIMEOUT)")
     if kind == "mismatch":
-        return CollectiveMismatchError(message, rank=rank, remote_rank=int(who) if who else None, fix=MISMATCH_FIX)
+        return CollectiveMismatchError(message, rank=rank, fix="every rank must issue the same collectives in "
+                                                               "the same order with the same tensors")
+    if kind == "diverged":
+        return CollectiveMismatchError(message, rank=rank, remote_rank=int(who) if who else None,
+                                       fix=DIVERGED_FIX)
     if kind == "peer_lost":
         peer = int(who) if who else None
         host = workers[peer].hostname if workers and peer is not None and peer < len(workers) else None

@@ -20,7 +20,7 @@ import numpy as np
 from ... import config
 from ...core import ring
 from ...core.ring import SINGLE
-from ...core.backend import Backend, BackendStats, Capabilities, SharedSlots, register_backend
+from ...core.backend import Backend, BackendStats, Capabilities, register_backend
 from ...core.reduce_ops import ReduceOp, needs_wide_accumulator
 from ...errors import UnsupportedOperationError
 from . import shm_shared, wire
@@ -112,12 +112,6 @@ class HostBackend(Backend):
         each rank has entered; else None."""
         return self.layout.direct
 
-    def shared_slots(self) -> Optional[SharedSlots]:
-        """The shared all-reduce buffers for a compiled implementation of their one-round protocol (the TF
-        layer's all-reduce op), or None when the job has none (several hosts, or turned off)."""
-        buffers = self.layout.buffers
-        return buffers.compiled_slots(self.runner.share_turn) if buffers is not None else None
-
     def socket_server(self, kind: str):
         return self.layout.socket_server(kind)
 
@@ -132,7 +126,7 @@ class HostBackend(Backend):
 
     def progress(self) -> dict:
         """What this rank's data server tells a peer that asks how far it got."""
-        return {"started": self.runner.next_seq(), "failed": self.runner.failed is not None}
+        return {"started": self.runner.seq, "failed": self.runner.failed is not None}
 
     def serves_transport(self, name: str) -> bool:
         """Whether a call that asks for transport ``name`` runs on the links this job set up: "auto",
@@ -281,7 +275,7 @@ class HostBackend(Backend):
         else:
             path = "hierarchical" if layout.hierarchical else "ring"
         direct = layout.direct
-        return HostStats(collectives=self.runner.started, pending_messages=self.mailbox.pending(),
+        return HostStats(collectives=self.runner.seq, pending_messages=self.mailbox.pending(),
                          busy_s=self.runner.busy_s, transport=layout.transport, allreduce_path=path,
                          allreduces_by_path=dict(self._planner.calls), shared_arrays=self._shared.active,
                          direct_allreduces=direct.direct_calls if direct is not None else 0,

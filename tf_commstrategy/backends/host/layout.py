@@ -5,8 +5,8 @@ every rank makes the same decisions.
 * The data path to each ring neighbour: shared memory (else Unix sockets) on one host, gRPC (or opt-in
   raw TCP) between hosts (``links.link_kinds``). The ring's chunk size and the small all-reduce limit
   follow from the paths.
-* Every rank on one host: the shared all-reduce buffers (``shm_buffers``; with 2 ranks the Python
-  path uses only their one-round path for small all-reduces, the compiled all-reduce all of it), and cross-memory reads of the peers' private arrays for large
+* Every rank on one host: the shared all-reduce buffers (``shm_buffers``; with 2 ranks only their
+  one-round path for small all-reduces), and cross-memory reads of the peers' private arrays for large
   ones where the kernel allows them (``shm_cma``).
 * Several hosts with several ranks on some: a ring per host and a ring of the hosts' first ranks, for
   the hierarchical all-reduce.
@@ -22,7 +22,7 @@ from typing import Dict, FrozenSet, List, Optional
 from ... import config
 from ...core import cpus, shared_memory
 from ...rendezvous.cluster_env import join_host_port
-from . import links, setup_report, shm_cma, shm_buffers, socket_transport, transport
+from . import links, setup_report, shm_buffers, shm_cma, shm_layout, socket_transport, transport
 
 log = logging.getLogger("tf_commstrategy")
 
@@ -132,11 +132,11 @@ class HostLayout:
         """Every rank shares this host's memory: the shared all-reduce buffers. With 2 ranks only their
         one-round path for small all-reduces (one wake-up instead of a ring's two steps); above that the
         2-rank ring moves less (it copies 1.5x the buffer, the shared buffers 2x); from 3 ranks the ring's
-        copies grow with the ranks and the buffers' do not. With 2 ranks the buffers keep their full size all
-        the same: the TF layer's compiled all-reduce runs the one-round path in pieces of half of it.
-        Returns what became of them."""
+        copies grow with the ranks and the buffers' do not. Returns what became of them."""
         g, w = self._b.group, self._b.group.workers
         buffers_bytes = config.shm_buffers_bytes_from_env()
+        if self.size == 2:  # only the one-round path's two slots are used
+            buffers_bytes = min(buffers_bytes, shm_layout.SMALL_PATH_CAPACITY)
         self.buffers, problem = shm_buffers.SharedBuffers.create(
             g.store, self.rank, self.size, [x.pid for x in w], self._b.peers.describe, buffers_bytes,
             g.rendezvous_timeout, shared_memory.spin_seconds(self.size), known_problem=self.ring.shm_problem())

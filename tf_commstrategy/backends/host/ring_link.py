@@ -12,7 +12,6 @@ from typing import List, Optional
 import numpy as np
 
 from ...core.ring import RingLink
-from ...core.shared_memory import reported_cause
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError
 from . import links, socket_transport
 
@@ -46,22 +45,22 @@ class CollectiveLink(RingLink):
         return sub
 
     def _abort(self):
-        """What a wait of this collective must raise now: another rank's reported failure, or (with shared
-        all-reduce buffers) a peer that entered this collective under another signature, or a peer whose
-        collectives stopped (its state word, written by the compiled all-reduce or when its process group
-        failed): then the cause that peer reports over gRPC if it arrives within ``config.GONE_GRACE_S``,
-        else that it stopped."""
-        mailbox, flags = self._b.mailbox, self._b.flags
-        problem = mailbox.error_now()
-        if problem is not None or flags is None:
-            return problem
-        problem = flags.entries.conflict(self._seq, self._sig_text)
-        if problem is not None:
-            return problem
-        stopped = flags.entries.peer_stopped()
-        return reported_cause(stopped, mailbox.error_now) if stopped is not None else None
+        """What a wait of this collective must raise now: another rank's reported failure, (with shared
+        all-reduce buffers) a peer that entered this collective under another signature, or a peer that
+        has long been inside a collective of a layer above instead (``ProcessGroup.add_collective_watch``)."""
+        flags = self._b.flags
+        # the watches first: a peer's shared-memory word that names the cause is there before its abort message
+        return (self._watched() or self._b.mailbox.error_now()
+                or (flags.entries.conflict(self._seq, self._sig_text) if flags else None))
 
     abort_now = _abort  # for the shared-buffer all-reduce's waits
+
+    def _watched(self):
+        for w in self._b.group.collective_watches:
+            problem = w.python_problem(self._seq, self._sig_text)
+            if problem is not None:
+                return problem
+        return None
 
     @property
     def seq(self) -> int:

@@ -2,12 +2,10 @@
 checks the peers' signatures, and how a failure ends the group on every rank.
 
 A collective's body gets a ``CollectiveLink`` (``ring_link``) for the job's ring (None in a job of one
-rank). Collectives are numbered from the shared all-reduce buffers' sequence word when the job has
-them (``SharedBuffers.next_seq``), so that a layer above with a compiled implementation of their
-protocol (the TF layer's all-reduce op) numbers its collectives in the same sequence, under the same
-lock (``share_turn``). The first error makes the backend unusable: it is kept, every pending and later
-call raises it, and the other ranks are told (``Peers.tell_abort``) so that they fail at once instead
-of at their deadline.
+rank). The first error makes the backend unusable: it is kept, every pending and later call raises it,
+and the other ranks are told (``Peers.tell_abort``) so that they fail at once instead of at their
+deadline. A layer above with collectives of its own (the TF layer's compiled all-reduce) learns of
+every backend collective through the group's collective watches.
 """
 
 from __future__ import annotations
@@ -31,30 +29,10 @@ class CollectiveRunner:
     def __init__(self, backend):
         self._b = backend
         self.rank, self.size = backend.rank, backend.size
-        self.lock = threading.Lock()  # held for each collective (``share_turn`` replaces it)
-        self.started = 0      # collectives started by this rank through this backend
-        self._next = 0        # the next collective number, without shared buffers
+        self.lock = threading.Lock()
+        self.seq = 0          # collectives started by this rank
         self.busy_s = 0.0     # seconds spent inside them
         self.failed: Optional[BaseException] = None
-
-    def share_turn(self, lock) -> None:
-        """Hold ``lock`` (``acquire()`` / ``release()``) for each collective from now on: the lock of a
-        compiled implementation of the shared buffers' protocol, which numbers its collectives in the
-        same sequence. Called outside any collective (when the layer above sets up)."""
-        with self.lock:
-            self.lock = lock
-
-    def next_seq(self) -> int:
-        """The number the next collective of this rank takes (both implementations count it)."""
-        buffers = self._b.layout.buffers
-        return int(buffers.next_number) if buffers is not None else self._next
-
-    def _take_seq(self) -> int:
-        buffers = self._b.layout.buffers
-        if buffers is not None:
-            return buffers.next_seq()
-        self._next += 1
-        return self._next - 1
 
     def run(self, sig: str, timeout: Optional[float], body: Callable):
         """Run ``body(link)`` as collective number ``seq`` with signature ``sig``; returns its result.
@@ -67,8 +45,8 @@ class CollectiveRunner:
         timeout = config.call_timeout(timeout, b.group.timeout, self.rank)
         with self.lock:
             self._raise_if_failed()
-            seq = self._take_seq()
-            self.started += 1
+            seq = self.seq
+            self.seq += 1
             if self.size == 1:
                 return body(None)
             t0 = time.monotonic()
@@ -76,6 +54,9 @@ class CollectiveRunner:
             flags = b.layout.direct
             if flags is not None:  # the shared buffers' flags say which collective this rank is in
                 flags.entries.enter(seq, sig)
+            watches = b.group.collective_watches
+            for w in watches:
+                w.python_enter()
             try:
                 result = body(link)
                 link.finish()
@@ -94,6 +75,8 @@ class CollectiveRunner:
                 self.fail(err)
                 raise err from e
             finally:
+                for w in watches:
+                    w.python_leave()
                 self.busy_s += time.monotonic() - t0
 
     def run_setup_step(self, step: Callable):

@@ -28,15 +28,6 @@ published the ``ready`` of the generation in between, which it does only after f
 of the slot, so the wait for ``done`` before a write costs nothing while small calls follow each other:
 one wake-up per rank instead of two rounds of them.
 
-The TF layer's compiled all-reduce (``tf/native/shm_allreduce.cc``) runs the one-round path in these
-same buffers, in pieces of up to a slot: one protocol with two implementations. Both take collective
-numbers from this rank's sequence word (``next_seq``), count generations in its ``ready`` word and know
-whether its last generation used the whole data area from its ``last whole`` word, under one lock
-per process (``share_turn``); they publish the collective they entered in the same place. So they
-interleave freely, and a rank in one and a peer in a different collective of the same number see the
-mismatch at once. ``compiled_slots`` hands the op every segment's address and this layout
-(``COMPILED_LAYOUT``); the op keeps no constants of its own.
-
 float16 / bfloat16 sums, means and products are accumulated in float32 and rounded once, as in the ring.
 
 Waits spin briefly when the host has a core per rank, then sleep on this rank's bell (a futex word
@@ -50,8 +41,7 @@ Header of a segment (byte offsets; the flags each on their own cache line)::
     [64, 72)    ready    [128, 136) reduced    [192, 200) done      (generations, uint64)
     [256, 288)  piece header: collective seq, piece index, elements, signature length
     [320, ...)  signature text (at most SIG_MAX bytes)
-    [1408, 1424) this rank's next collective number; whether its last generation used the whole data area
-    [1472, 1480) state: 0 while healthy, else why this rank's compiled all-reduce stopped (``native_path``)
+    [1408, 1416) whether this rank's last generation used the whole data area
     [1536, ...) the collective this rank has entered (any kind: sequence number + 1, signature), so a
                 rank waiting here and a rank waiting on the ring in another collective see the mismatch
     [4096, ...) data area: the two-round pieces use all of it; the one-round slots g % 2 each half of it
@@ -75,7 +65,6 @@ from ...core.reduce_ops import (ReduceOp, combine_into, finish_mean, needs_wide_
                                 reduce_in_rank_order)
 from ...core.ring import even_bounds
 from ...core.spans import Spans
-from ...core.backend import SharedSlots
 from ...errors import CollectiveTimeoutError, PeerLostError
 from ...core import shared_memory
 from ...core.shared_memory import HEADER_BYTES, SLICE_S, YIELD_S, Bell, Segment, fence, pid_alive, reported_cause
@@ -83,8 +72,8 @@ from ...core.shared_memory import HEADER_BYTES, SLICE_S, YIELD_S, Bell, Segment,
 log = logging.getLogger("tf_commstrategy")
 
 from .shm_entries import Entries
-from .shm_layout import (COMPILED_LAYOUT, DONE, INFO, LAST_WHOLE, READY, REDUCED, SEQ, SIG_AT, SIG_MAX,
-                         SLOT_DATA_AT, SLOT_HEAD, SLOT_TEXT_AT, SMALL_BYTES)
+from .shm_layout import (DONE, INFO, LAST_WHOLE, READY, REDUCED, SIG_AT, SIG_MAX, SLOT_DATA_AT, SLOT_HEAD,
+                         SLOT_TEXT_AT, SMALL_BYTES)
 
 
 class SharedBuffers:
@@ -117,35 +106,12 @@ class SharedBuffers:
         self.small_bytes = max(0, min(SMALL_BYTES, self.slot_stride - SLOT_DATA_AT) // 64 * 64)
         self._slot_views: dict = {}
         self.entries = Entries(rank, self.segs, self.ctl, self.peers, describe)
-        self._close_hooks: list = []
         self.current: Optional[Tuple[int, str]] = None  # the collective whose waits run now
 
     @property
     def gen(self) -> int:
-        """Generations this rank has started (its ``ready`` word: both implementations count there)."""
+        """Generations this rank has started (its ``ready`` word counts them)."""
         return int(self._mine[READY])
-
-    @property
-    def next_number(self) -> int:
-        """The number the next collective of this rank takes."""
-        return int(self._mine[SEQ])
-
-    def next_seq(self) -> int:
-        """The next collective number of this rank (the compiled all-reduce takes its numbers here too)."""
-        seq = int(self._mine[SEQ])
-        self._mine[SEQ] = seq + 1
-        return seq
-
-    def compiled_slots(self, share_turn) -> Optional[SharedSlots]:
-        """What a compiled implementation of the one-round path needs (``core.backend.SharedSlots``), or
-        None when the slots hold no data (a flag-only segment)."""
-        if self.slot_stride < SLOT_DATA_AT + 64:
-            return None
-        name = os.path.basename(self.segs[self.rank].path)
-        layout = COMPILED_LAYOUT + (self.slot_stride, SLOT_TEXT_AT, SLOT_DATA_AT, SIG_MAX)
-        return SharedSlots(name=name, rank=self.rank, size=self.size,
-                           addresses=tuple(self.segs[q].addr for q in range(self.size)), layout=layout,
-                           pids=tuple(self.pids), share_turn=share_turn, on_close=self._close_hooks.append)
 
     # -- setup -----------------------------------------------------------------------------------
     @classmethod
@@ -181,9 +147,6 @@ class SharedBuffers:
         return cls(rank, size, seg, peers, min(caps), pids, describe, spin_s), None
 
     def close(self) -> None:
-        for hook in self._close_hooks:  # a compiled implementation lets go of the segments first
-            hook()
-        self._close_hooks = []
         self.ctl, self._data, self._bells, self._bell = {}, {}, {}, None  # no view may outlive the mappings
         self._slot_views = {}
         for s in self.segs.values():

@@ -1,16 +1,15 @@
 """Which collective each rank of the shared all-reduce buffers is in, and the errors that follow when
 they differ: every rank publishes the collective it enters (number + 1, then its signature text) in
 its own header, where its peers' waits read it; a piece's or a slot's header names the collective its
-data belongs to. Both implementations of the buffers' protocol (``shm_buffers``, the TF layer's
-compiled all-reduce) write and read these words alike."""
+data belongs to."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 from ...core.shared_memory import fence
-from ...errors import CollectiveAbortedError, CollectiveMismatchError
-from .shm_layout import DIRECT_PIECE, ENTERED, ENTERED_SIG, ENTERED_SIG_AT, INFO, SIG_AT, SIG_MAX, STATE, STOPPED
+from ...errors import CollectiveMismatchError
+from .shm_layout import DIRECT_PIECE, ENTERED, ENTERED_SIG, ENTERED_SIG_AT, INFO, SIG_AT, SIG_MAX
 
 
 class Entries:
@@ -27,14 +26,11 @@ class Entries:
         self.rank, self.segs, self.ctl, self.peers = rank, segs, ctl, list(peers)
         self._describe = describe
         self._entered_sig: Optional[str] = None  # the signature text in my header now
-        self._entered_seq = -2  # the collective it was written for
 
     def enter(self, seq: int, sig: str) -> None:
         """Publish the collective this rank has just entered (every kind, ring ones too)."""
         ctl = self.ctl[self.rank]
-        # the text already there stays right for the old and the new seq, unless a collective of the
-        # compiled implementation (which writes its own) took a number in between
-        if sig is not self._entered_sig or seq != self._entered_seq + 1:
+        if sig is not self._entered_sig:  # the text already there stays right for the old and the new seq
             sig_b = sig.encode()[:SIG_MAX]
             ctl[ENTERED] = 0  # readers that catch the text half-written see 0 (or the new seq) and skip it
             fence()
@@ -43,7 +39,6 @@ class Entries:
             fence()
             self._entered_sig = sig
         ctl[ENTERED] = seq + 1
-        self._entered_seq = seq
 
     def conflict(self, seq: int, sig: str) -> Optional[CollectiveMismatchError]:
         """A peer in collective ``seq`` under another signature: the mismatch error, else None."""
@@ -63,17 +58,6 @@ class Entries:
                     rank=self.rank, seq=seq, local_signature=sig, remote_signature=text, remote_rank=q,
                     fix="every rank must issue the same collectives in the same order with the same op, dtype, "
                         "shape and root")
-        return None
-
-    def peer_stopped(self) -> Optional[CollectiveAbortedError]:
-        """A peer whose compiled all-reduce stopped (its state word): the error, else None."""
-        for q in self.peers:
-            state = int(self.ctl[q][STATE])
-            if state:
-                return CollectiveAbortedError(
-                    f"rank {q} ({self._describe(q)}) stopped its collectives ({STOPPED.get(state, state)}) while "
-                    f"rank {self.rank} waited for it", rank=self.rank, origin_rank=q,
-                    fix="see that rank's log for its own error")
         return None
 
     def check(self, q: int, seq: int, piece: int, n: int, sig_b: bytes, sig: str) -> None:
