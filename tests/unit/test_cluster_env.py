@@ -207,3 +207,48 @@ def test_tf_config_master_is_the_chief():
     assert (s.rank, s.world_size, s.coordinator) == (0, 2, "m:2222")
     cfg["task"] = {"type": "worker", "index": 0}
     assert resolve_cluster(environ={"TF_CONFIG": json.dumps(cfg)}).rank == 1
+
+
+# horovodrun's Gloo mode: the variables gloo_run.create_slot_env_vars sets, and its own rendezvous server
+_HOROVODRUN = {"HOROVOD_HOSTNAME": "n2", "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
+               "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2",
+               "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.9", "HOROVOD_GLOO_RENDEZVOUS_PORT": "34567",
+               "HOROVOD_CONTROLLER": "gloo"}
+
+
+def test_horovodrun_variables_with_tfcs_coordinator_or_master_addr():
+    s = resolve_cluster(environ=dict(_HOROVODRUN, TFCS_COORDINATOR="n1:5000"))
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator, s.source) == (3, 4, 1, "n1:5000",
+                                                                            "Horovod (horovodrun)")
+    s = resolve_cluster(environ=dict(_HOROVODRUN, MASTER_ADDR="n1", MASTER_PORT="29500"))
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (3, 4, 1, "n1:29500")
+
+
+def test_horovodrun_rendezvous_server_is_not_taken_for_the_coordinator():
+    # HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT is horovodrun's own server on the launching host: a job without
+    # TFCS_COORDINATOR or MASTER_ADDR/PORT is told to name one
+    with pytest.raises(ConfigurationError, match="TFCS_COORDINATOR") as e:
+        resolve_cluster(environ=_HOROVODRUN)
+    assert "Horovod" in str(e.value) and "34567" not in str(e.value)
+
+
+def test_horovod_variables_come_before_mpi_and_slurm():
+    env = dict(_HOROVODRUN, **_SLURM_STEP, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="4",
+               OMPI_COMM_WORLD_LOCAL_RANK="0", MASTER_ADDR="n1", MASTER_PORT="5000")
+    s = resolve_cluster(environ=env)
+    assert (s.rank, s.local_rank, s.source) == (3, 1, "Horovod (horovodrun)")
+    # without a local rank the rendezvous counts it; a single process needs no coordinator
+    s = resolve_cluster(environ={"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "1"})
+    assert (s.rank, s.world_size, s.local_rank) == (1, 2, None)
+    s = resolve_cluster(environ={"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1"})
+    assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (0, 1, 0, None)
+    assert resolve_cluster(environ={"HOROVOD_RANK": "1"}).source.startswith("default")  # both or none
+
+
+@pytest.mark.parametrize("bad,match", [({"HOROVOD_LOCAL_RANK": "2"}, "HOROVOD_LOCAL_RANK='2' is outside"),
+                                       ({"HOROVOD_CROSS_RANK": "5"}, "HOROVOD_CROSS_RANK='5' is outside"),
+                                       ({"HOROVOD_RANK": "three"}, "HOROVOD_RANK='three' is not an integer"),
+                                       ({"HOROVOD_RANK": "4"}, "rank 4 is outside")])
+def test_horovod_variables_that_disagree_are_refused(bad, match):
+    with pytest.raises(ConfigurationError, match=match):
+        resolve_cluster(environ=dict(_HOROVODRUN, TFCS_COORDINATOR="n1:5000", **bad))

@@ -6,16 +6,21 @@ Sources, first match wins (each field given explicitly always overrides):
 2. ``TFCS_RANK``, ``TFCS_WORLD_SIZE``, ``TFCS_LOCAL_RANK``, ``TFCS_COORDINATOR`` (``tfcs-run`` sets these);
 3. ``TF_CONFIG`` (Kubernetes / Kubeflow TFJob): ranks are chief (or ``master``) first, then workers in order; the
    chief (or worker 0) hosts the coordinator on its own cluster-spec address;
-4. Open MPI (``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``): coordinator from ``TFCS_COORDINATOR``
+4. horovodrun's Gloo mode (``HOROVOD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``; ``HOROVOD_LOCAL_SIZE`` and
+   ``HOROVOD_CROSS_RANK`` / ``_SIZE`` are checked for consistency, the rendezvous counts them itself):
+   coordinator from ``TFCS_COORDINATOR`` or ``MASTER_ADDR``/``MASTER_PORT``. horovodrun's
+   ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` / ``_PORT`` name its own rendezvous server on the launching host (that
+   port is taken, and rank 0 need not run there), so they are not used;
+5. Open MPI (``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``): coordinator from ``TFCS_COORDINATOR``
    or ``MASTER_ADDR``/``MASTER_PORT`` (mpirun knows no host to use);
-5. MVAPICH2 (``MV2_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``), then MPICH and Intel MPI
+6. MVAPICH2 (``MV2_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``), then MPICH and Intel MPI
    (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``): coordinator as for Open MPI;
-6. torchrun style ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
-7. Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``): coordinator on the first host of
+7. torchrun style ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
+8. Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``): coordinator on the first host of
    the step (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``), port ``TFCS_COORDINATOR_PORT`` or
    ``29400 + (37 * SLURM_JOB_ID + SLURM_STEP_ID) % 1000``.
 
-Launchers that start the processes themselves (4-6) come before Slurm, whose variables their
+Launchers that start the processes themselves (4-7) come before Slurm, whose variables their
 processes inherit inside an allocation. When srun itself started the processes and an MPI source
 matched without a coordinator, Slurm's coordinator is used if Slurm agrees on rank and size.
 
@@ -226,6 +231,20 @@ def _master(env):
     return None
 
 
+def _from_horovod(env):
+    # horovodrun's Gloo mode (gloo_run.create_slot_env_vars); Horovod itself reads HOROVOD_RANK before the MPI
+    # variables, and so does this source
+    if "HOROVOD_RANK" not in env or "HOROVOD_SIZE" not in env:
+        return None
+    for index_v, count_v in (("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+                             ("HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")):
+        if index_v in env and count_v in env and not 0 <= _int(env, index_v) < _int(env, count_v):
+            raise ConfigurationError(f"{index_v}={env[index_v]!r} is outside [0, {count_v}={env[count_v]!r})",
+                                     fix="start the job with horovodrun, or set both consistently")
+    local = _int(env, "HOROVOD_LOCAL_RANK") if "HOROVOD_LOCAL_RANK" in env else None
+    return _int(env, "HOROVOD_RANK"), _int(env, "HOROVOD_SIZE"), local, _master(env), "Horovod (horovodrun)"
+
+
 def _from_ompi(env):
     if "OMPI_COMM_WORLD_RANK" not in env or "OMPI_COMM_WORLD_SIZE" not in env:
         return None
@@ -254,7 +273,7 @@ def _from_torchrun(env):
 # Launchers that start the processes themselves come before Slurm: mpirun, mpiexec or torchrun run
 # inside a Slurm allocation, and their processes inherit the SLURM_PROCID of the batch step or of
 # the srun that started the launcher's daemons, which is not their rank.
-_SOURCES = (_from_tfcs, _from_tf_config, _from_ompi, _from_pmi, _from_torchrun, _from_slurm)
+_SOURCES = (_from_tfcs, _from_tf_config, _from_horovod, _from_ompi, _from_pmi, _from_torchrun, _from_slurm)
 
 
 def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None,
@@ -262,8 +281,8 @@ def resolve_cluster(rank: Optional[int] = None, world_size: Optional[int] = None
                     environ: Optional[Mapping[str, str]] = None) -> ClusterSpec:
     """Combine explicit arguments with the first environment source that defines a rank.
 
-    Sources, first match wins: ``TFCS_*``, ``TF_CONFIG``, Open MPI, MVAPICH / MPICH / Intel MPI,
-    torchrun-style variables, Slurm; none means a single process. ``TFCS_COORDINATOR`` overrides the coordinator of any source.
+    Sources, first match wins: ``TFCS_*``, ``TF_CONFIG``, horovodrun's ``HOROVOD_*``, Open MPI, MVAPICH /
+    MPICH / Intel MPI, torchrun-style variables, Slurm; none means a single process. ``TFCS_COORDINATOR`` overrides the coordinator of any source.
 
     Args:
       rank: overrides the environment's rank (give ``world_size`` too).
