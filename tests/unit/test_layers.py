@@ -12,6 +12,7 @@ not do beyond that:
   package (which registers them), nothing here imports a backend's modules;
 * TF layer: ``tf/``; reaches the backends through the Backend interface only (no ``backends`` import);
 * Keras callbacks: ``callbacks/``; no ``backends`` import either;
+* Horovod API: ``horovod/`` (Horovod's TensorFlow API on the layers below); no ``backends`` import;
 * tools and the facade: ``launcher/``, ``bench/``, ``run``, and the package's ``__init__`` (the public API).
 """
 
@@ -37,6 +38,7 @@ LAYERS = [  # lowest first
     ("direct API", ("process_group", "process", "collectives")),
     ("TF layer", ("tf",)),
     ("Keras callbacks", ("callbacks",)),
+    ("Horovod API", ("horovod",)),
     ("tools and the facade", ("launcher", "bench", "run", "")),
 ]
 #: above the backends, only these modules import the backends package (to register the backends)
