@@ -193,6 +193,8 @@ def init(comm=None, process_sets=None) -> None:
     if not _process.is_initialized():
         _process.init()
     global_process_set.ranks = list(range(_process.size()))
+    from ..tf import install_keras_patches
+    install_keras_patches()  # model.fit raises our typed errors, as under CommStrategy
 
 
 def shutdown() -> None:

@@ -6,8 +6,8 @@ Imports TensorFlow; the collective core below it does not.
 from .. import collectives as _collectives
 from . import tensor_ops as _tensor_ops
 from .options import CommOptions
-from .strategy import CommExtended, CommStrategy, local_replica_reads
+from .strategy import CommExtended, CommStrategy, install_keras_patches, local_replica_reads
 
 _collectives.register_tensor_handler(_tensor_ops)  # tf.Tensor arguments of tfcs.allreduce and friends
 
-__all__ = ["CommStrategy", "CommExtended", "CommOptions", "local_replica_reads"]
+__all__ = ["CommStrategy", "CommExtended", "CommOptions", "local_replica_reads", "install_keras_patches"]

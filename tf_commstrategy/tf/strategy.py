@@ -62,6 +62,21 @@ def local_replica_reads():
         _local_reads -= 1
 
 
+def install_keras_patches() -> None:
+    """Teach TensorFlow's SavedModel writer, tf_keras and Keras 3 about tf_commstrategy (idempotent).
+
+    ``CommStrategy()`` calls it, and so does the Horovod API's ``init``: besides what only a
+    ``CommStrategy`` model uses, it makes ``fit`` / ``evaluate`` / ``predict`` raise a collective's typed
+    error where TensorFlow would report it as ``tf.errors.UnknownError``.
+
+    Raises:
+      ConfigurationError: an installed Keras is not a version these patches were written for.
+    """
+    TF_SAVING.install()
+    tf_keras_compat.install()
+    keras3_compat.install()
+
+
 class CommStrategy(tf.distribute.MirroredStrategy):
     """Synchronous data parallelism across workers; ``model.fit`` works unchanged.
 
@@ -108,9 +123,7 @@ class CommStrategy(tf.distribute.MirroredStrategy):
         extended = CommExtended(self, devices, group, normalize_backend_name(backend), communication_options,
                                 sync_metrics)
         distribute_lib.Strategy.__init__(self, extended)
-        TF_SAVING.install()
-        tf_keras_compat.install()
-        keras3_compat.install()
+        install_keras_patches()
 
     @property
     def process_group(self):
