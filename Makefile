@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup test test-bench test-slow test-netns demo bench bench-allreduce bench-allreduce-np4 \
+.PHONY: setup test test-bench test-slow test-netns test-engines engines demo bench bench-allreduce bench-allreduce-np4 \
         bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths docs clean settings-table
 
 $(STAMP): pyproject.toml
@@ -18,7 +18,7 @@ setup: $(STAMP)
 
 # The default suite: unit + multiprocess tests, no slow/soak/GPU/netns tests.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu and not netns and not bench" -n 2 tests
+	$(BIN)/python -m pytest -m "not slow and not gpu and not netns and not bench and not engines" -n 2 tests
 
 # Tests of the benchmark tooling (tfcs-bench, benchmarks/keras_throughput.py); a separate CI step.
 test-bench: $(STAMP)
@@ -30,7 +30,16 @@ test-slow: $(STAMP)
 
 # Multi-host tests: workers in network namespaces joined by veth pairs (needs root; skipped otherwise).
 test-netns: $(STAMP)
-	$(BIN)/python -m pytest -m "netns" tests/netns
+	$(BIN)/python -m pytest -m "netns and not engines" tests/netns
+
+# Real engines from Debian's packages (openssh-server, openmpi-bin, slurm-wlm + munge), installed when missing
+# (root and apt-get needed; bounded in time). Tests whose engine is still missing skip, saying why.
+engines:
+	timeout 600 bash tests/engines/install.sh
+
+# The engines' tests: the ssh launcher across namespace hosts, mpirun, a one-node Slurm cluster.
+test-engines: $(STAMP) engines
+	$(BIN)/python -m pytest -m "engines" tests
 
 demo: $(STAMP)
 	$(BIN)/tfcs-run -np 2 $(BIN)/python examples/keras_mnist.py

@@ -36,9 +36,10 @@ MAX_NOT_RUN = 3
 
 # Files shown verbatim that no block of these pages runs: the test that runs (or simulates) each one.
 RUN_BY = {
-    "examples/launch/slurm.sbatch": "tests/unit/test_launch_recipes.py::test_slurm_recipe_two_nodes_two_tasks_each",
-    "examples/launch/mpirun.sh": "tests/unit/test_launch_recipes.py::test_mpirun_recipe_passes_the_coordinator",
-    "examples/launch/tfjob.yaml": "tests/unit/test_launch_recipes.py::test_tfjob_recipe_chief_first_then_workers",
+    "examples/launch/slurm.sbatch": "tests/engines/test_slurm.py::test_sbatch_recipe_trains_to_the_end",
+    "examples/launch/mpirun.sh": "tests/engines/test_mpirun.py::test_mpirun_recipe_trains_to_the_end",
+    "examples/launch/tfjob.yaml":
+        "tests/unit/test_launch_recipes.py::test_tfjob_recipe_is_a_tfjob_the_training_operator_accepts",
     "examples/launch/any_engine.sh":
         "tests/multiprocess/test_examples.py::test_any_engine_recipe_runs_a_single_worker_job",
     "examples/keras_mnist.py": "tests/multiprocess/test_examples.py::test_example_runs_on_two_workers",

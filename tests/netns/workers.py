@@ -124,6 +124,17 @@ def expected_collectives(rank: int, size: int) -> dict:
     }
 
 
+def _environ_facts() -> dict:
+    """What a launcher passed on: the job token (as a digest), the TFCS_TEST_* variables, this directory
+    and whether a shell-specific variable (OLDPWD) came along."""
+    import hashlib
+    token = os.environ.get("TFCS_TOKEN", "")
+    return {"token_sha": hashlib.sha256(token.encode()).hexdigest() if token else None,
+            "test_vars": {k: v for k, v in os.environ.items() if k.startswith("TFCS_TEST_")},
+            "cwd": os.getcwd(), "oldpwd": os.environ.get("OLDPWD"),
+            "local_rank_var": os.environ.get("TFCS_LOCAL_RANK")}
+
+
 def collectives(out: str) -> None:
     _log_to_stderr()
     import tf_commstrategy as tfcs
@@ -144,6 +155,7 @@ def collectives(out: str) -> None:
         res["rs_sum"] = tfcs.reduce_scatter(x["rs_sum"], op="sum")
         tfcs.barrier()
     np.savez(os.path.join(out, f"coll-{rank}.npz"), **{k: np.asarray(v) for k, v in res.items()})
+    info["environ"] = _environ_facts()
     _write_json(os.path.join(out, f"coll-{rank}.json"), info)
     tfcs.shutdown()
 

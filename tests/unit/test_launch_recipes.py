@@ -37,7 +37,8 @@ def test_slurm_recipe_two_nodes_two_tasks_each():
 
 def test_mpirun_recipe_passes_the_coordinator():
     text = _read("mpirun.sh")
-    np_ = int(re.search(r"mpirun -np (\d+)", text).group(1))
+    np_ = int(re.search(r"NP=\$\{NP:-(\d+)\}", text).group(1))
+    assert 'mpirun -np "$NP"' in text
     assert "-x TFCS_COORDINATOR=" in text and "-x TFCS_TOKEN" in text
     hosts = re.search(r"HOSTS=\$\{HOSTS:-([^}]+)\}", text).group(1)
     first = hosts.split(":")[0]
@@ -46,6 +47,7 @@ def test_mpirun_recipe_passes_the_coordinator():
                "OMPI_COMM_WORLD_LOCAL_RANK": str(r % 2), "TFCS_COORDINATOR": f"{first}:29500"}
         s = resolve_cluster(environ=env)
         assert (s.rank, s.world_size, s.local_rank, s.coordinator) == (r, np_, r % 2, "node1:29500")
+    assert re.search(r"PORT=\$\{PORT:-29500\}", text) and '"$FIRST_HOST:$PORT"' in text
 
 
 def test_tfjob_recipe_chief_first_then_workers():
@@ -115,3 +117,24 @@ def test_tfjob_image_recipe_holds_the_package_and_the_script_the_pods_run():
         script = argv[1]
         assert argv[0] == "python" and os.path.isfile(os.path.join(ROOT, script)), argv
         assert any(script == c or script.startswith(c.rstrip("/") + "/") for c in copied), (script, copied)
+
+
+def test_tfjob_recipe_is_a_tfjob_the_training_operator_accepts():
+    # what Kubeflow's training operator (kubeflow.org/v1 TFJob) reads: replica specs keyed by type, each
+    # with replicas, a restart policy and a pod template whose container is named "tensorflow" and
+    # exposes the port named "tfjob-port" (the one it writes into TF_CONFIG)
+    import yaml
+    job = yaml.safe_load(_read("tfjob.yaml"))
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "TFJob")
+    assert job["metadata"]["name"]
+    specs = job["spec"]["tfReplicaSpecs"]
+    assert set(specs) == {"Chief", "Worker"}
+    assert specs["Chief"]["replicas"] == 1 and specs["Worker"]["replicas"] >= 1
+    for kind, spec in specs.items():
+        assert spec["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode"), kind
+        (container,) = spec["template"]["spec"]["containers"]
+        assert container["name"] == "tensorflow", kind
+        assert container["image"] and container["command"][:2] == ["python", "examples/keras_mnist.py"]
+        assert [p["name"] for p in container["ports"]] == ["tfjob-port"]
+        token = {e["name"]: e for e in container["env"]}["TFCS_TOKEN"]
+        assert token["valueFrom"]["secretKeyRef"] == {"name": "tfcs-job", "key": "token"}

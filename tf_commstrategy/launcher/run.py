@@ -1,8 +1,11 @@
-"""``tfcs-run``: start N workers on this machine, each with its ``TFCS_*`` environment.
+"""``tfcs-run``: start N workers, on this machine or over ssh on several hosts, each with its ``TFCS_*``
+environment.
 
     tfcs-run -np 2 python train.py --epochs 3
+    tfcs-run -np 4 -H node1:2,node2:2 python train.py
     python -m tf_commstrategy.run -np 4 --backend grpc --timeout 120 python bench.py
 
+Hosts and rank placement are ``hosts``'s, the command line ``options``'s, remote workers ``remote``'s.
 Every output line of a worker is prefixed with ``[rank]``. When a worker fails, the others get
 ``--grace`` seconds to notice and report it themselves (they raise ``PeerLostError`` naming it), then
 they are stopped (SIGTERM, then SIGKILL after a grace period; each worker runs in its own process
@@ -14,13 +17,14 @@ With ``--max-restarts K`` the whole job is started again after a failure, up to 
 finished epoch). SIGINT / SIGTERM / SIGHUP sent to ``tfcs-run`` are forwarded to every worker and
 end the job without restarts; workers still running ``GRACE_S`` seconds later are stopped (SIGTERM,
 then SIGKILL), and a second signal kills them at once. If ``tfcs-run`` itself dies, even by SIGKILL,
-every worker gets SIGTERM (Linux: ``PR_SET_PDEATHSIG``, set before the worker's program starts). Output sent to a closed reader
-(``tfcs-run ... | head``) is discarded, so workers never block writing it.
+every worker gets SIGTERM (Linux: ``PR_SET_PDEATHSIG``, set before the worker's program starts; a
+remote worker when its ssh connection ends). Output sent to a closed reader (``tfcs-run ... | head``)
+is discarded, so workers never block writing it.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import random
 import secrets
@@ -31,12 +35,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
+from ..errors import ConfigurationError
 from ..rendezvous.cluster_env import join_host_port
+from ..rendezvous.rendezvous import is_loopback
+from . import hosts as hostlist
+from . import shims
+from .options import build_parser, exports, job_hosts
+from .remote import RemoteWorker, forwarded_env, ssh_argv
 
 GRACE_S = 10.0          # SIGTERM -> SIGKILL
-SURVIVOR_GRACE_S = 20.0  # first failure -> SIGTERM to the rest (they usually report and exit by themselves)
+SSH_FAILED = 255        # ssh's own exit code: the connection failed or was lost
 
 
 def _ephemeral_range() -> Tuple[int, int]:
@@ -68,61 +78,74 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-# Run between fork and the worker's program (Linux): the worker gets SIGTERM when tfcs-run dies, even
-# by SIGKILL, so no worker trains on alone. Plain exec afterwards: the worker's pid, environment and
-# arguments are its own. (preexec_fn is not safe here: the output pumps are threads.)
-_DEATH_SIGNAL_SHIM = """\
-import ctypes, os, signal, sys
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-except (OSError, AttributeError):
-    pass
-if os.getppid() != int(sys.argv[1]):  # tfcs-run died before the line above
-    sys.exit(128 + int(signal.SIGTERM))
-try:
-    os.execvp(sys.argv[2], sys.argv[2:])
-except OSError as e:
-    sys.stderr.write(f"tfcs-run: cannot start {sys.argv[2]!r}: {e}\\n")
-    sys.exit(127)
-"""
-
-
 def _worker_argv(command: List[str]) -> List[str]:
     if not sys.platform.startswith("linux"):
         return command
-    return [sys.executable, "-S", "-E", "-c", _DEATH_SIGNAL_SHIM, str(os.getpid())] + list(command)
+    return [sys.executable, "-S", "-E", "-c", shims.DEATH_SIGNAL, str(os.getpid())] + list(command)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tfcs-run", description="Start N tf_commstrategy workers on this machine.",
-        epilog="On clusters start workers with Slurm (srun), mpirun or Kubernetes instead; see docs/launching.md")
-    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
-    p.add_argument("--backend", choices=["grpc", "nccl", "auto"], help="default backend (TFCS_BACKEND)")
-    p.add_argument("--transport", choices=["auto", "shm", "unix", "tcp", "grpc"],
-                   help="data path under the ring (TFCS_TRANSPORT; default auto: shared memory on one host, "
-                        "gRPC between hosts)")
-    p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free port)")
-    p.add_argument("--host", help="address the coordinator and workers bind (default 127.0.0.1; sets "
-                                  "TFCS_BIND_HOST for the workers)")
-    p.add_argument("--timeout", type=float, help="collective deadline in seconds (TFCS_TIMEOUT)")
-    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]")
-    p.add_argument("--no-token", action="store_true",
-                   help="do not generate a job token (insecure: any local process may then join the job)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="after a failure start all workers again, at most K times (default 0)")
-    p.add_argument("--grace", type=float, default=SURVIVOR_GRACE_S,
-                   help="seconds the other workers get to report a failure themselves before they are "
-                        f"stopped (default {SURVIVOR_GRACE_S:g})")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs")
-    return p
+@dataclasses.dataclass
+class Plan:
+    """Where the job's ranks run: ``slots[r]`` is rank r's place, ``remote[host]`` tells whether a host
+    is reached over ssh, and the coordinator listens on ``coordinator_host`` (rank 0's host)."""
+
+    slots: List[hostlist.Slot]
+    remote: Dict[str, bool]
+    coordinator_host: str
+
+    @property
+    def multi_host(self) -> bool:
+        return len(self.remote) > 1 or any(self.remote.values())
+
+    def label(self, rank: int) -> str:
+        return f"rank {rank} on {self.slots[rank].host}" if self.multi_host else f"rank {rank}"
 
 
-def worker_env(base: dict, rank: int, n: int, coordinator: str, args, restart: int = 0) -> dict:
+def make_plan(args) -> Plan:
+    """The job's ``Plan`` from ``-np``, ``--host`` and ``-H`` / ``--hostfile``.
+
+    Raises:
+      ConfigurationError: the hosts are malformed or too few for ``-np``, or rank 0's host is a loopback
+        name while other hosts must reach it.
+    """
+    hosts = job_hosts(args)
+    if hosts is None:
+        host = args.host or "127.0.0.1"
+        return Plan([hostlist.Slot(r, host, r, args.np) for r in range(args.np)], {host: False}, host)
+    slots = hostlist.place(hosts, args.np)
+    remote = {h: not hostlist.is_local(h) for h in dict.fromkeys(s.host for s in slots)}
+    first = slots[0].host
+    if any(remote.values()) and not remote[first] and is_loopback_name(first):
+        raise ConfigurationError(
+            f"rank 0 runs on {first!r}, a loopback name that the other hosts cannot reach; name this machine "
+            "in -H / --hostfile by its hostname or an address the other hosts can reach")
+    return Plan(slots, remote, first)
+
+
+def is_loopback_name(host: str) -> bool:
+    return host == "localhost" or is_loopback(host)
+
+
+def _coordinator_port(args, plan: Plan) -> int:
+    """``--port``; else a free port here when rank 0 runs here; else a port outside the ephemeral range,
+    unchecked (the first host cannot be asked)."""
+    if args.port:
+        return args.port
+    if not plan.remote[plan.coordinator_host]:
+        return _free_port(plan.coordinator_host)
+    lo, hi = _ephemeral_range()
+    return random.randrange(20000, lo) if lo > 21000 else random.randrange(hi + 1, 65536)
+
+
+def worker_env(base: dict, slot: hostlist.Slot, n: int, coordinator: str, args, restart: int = 0) -> dict:
+    """The environment of the worker in ``slot``: ``base``, then ``-x`` variables, then the job's own."""
     env = dict(base)
-    env.update({"TFCS_RANK": str(rank), "TFCS_WORLD_SIZE": str(n), "TFCS_LOCAL_RANK": str(rank),
+    env.update(exports(args, base))
+    env.update({"TFCS_RANK": str(slot.rank), "TFCS_WORLD_SIZE": str(n), "TFCS_LOCAL_RANK": str(slot.local_rank),
                 "TFCS_COORDINATOR": coordinator, "PYTHONUNBUFFERED": "1",
                 "TFCS_RESTART_COUNT": str(restart)})
+    if args.start_timeout:
+        env["TFCS_RENDEZVOUS_TIMEOUT"] = str(args.start_timeout)
     if args.backend:
         env["TFCS_BACKEND"] = args.backend
     if args.timeout:
@@ -192,14 +215,35 @@ def _describe(code: int) -> str:
 
 
 class Job:
-    def __init__(self, procs: List[subprocess.Popen]):
+    """The workers of one attempt: ``procs[r]`` is rank r's local process (the worker itself, or its ssh
+    connection when ``remote[r]`` names a ``RemoteWorker``)."""
+
+    def __init__(self, procs: List[subprocess.Popen], remote: Optional[Dict[int, RemoteWorker]] = None,
+                 plan: Optional[Plan] = None):
         self.procs = procs
+        self.remote = remote if remote is not None else {}
+        self.plan = plan
         self.stopping = False
+
+    def name(self, rank: int) -> str:
+        """``rank 2``, or ``rank 2 on node2`` in a job on several hosts."""
+        return self.plan.label(rank) if self.plan is not None else f"rank {rank}"
+
+    def outcome(self, rank: int, code: Optional[int]) -> str:
+        if rank in self.remote and code == SSH_FAILED:
+            return (f"lost its ssh connection to {self.remote[rank].host} (ssh exited with code {SSH_FAILED}: "
+                    "the host went down or out of reach, or refused the login)") if self.plan is None else (
+                    f"lost its ssh connection (ssh exited with code {SSH_FAILED}: the host went down or out "
+                    "of reach, or refused the login)")
+        return _describe(code)
 
     def signal_all(self, sig: int, groups: bool = False) -> None:
         """Send ``sig`` to the process group of every running worker (``groups``: of every worker, also
-        those that exited: what they started may still run there)."""
-        for p in self.procs:
+        those that exited: what they started may still run there; a remote worker's host sees to that)."""
+        for rank, p in enumerate(self.procs):
+            if rank in self.remote:
+                self.remote[rank].send_signal(sig)
+                continue
             if not _group_is_ours(p):
                 continue
             if groups or p.poll() is None:
@@ -228,7 +272,10 @@ class Job:
         while time.monotonic() < end and (any(p.poll() is None for p in self.procs) or self._groups_alive()):
             time.sleep(0.05)
         self.signal_all(signal.SIGKILL, groups=True)
-        for p in self.procs:
+        for rank, p in enumerate(self.procs):
+            if rank in self.remote:
+                self.remote[rank].close(timeout=GRACE_S)
+                continue
             try:
                 p.wait(timeout=GRACE_S)
             except subprocess.TimeoutExpired:  # unkillable (uninterruptible sleep in the kernel)
@@ -245,6 +292,12 @@ def run(argv: Optional[List[str]] = None) -> int:
         print("tfcs-run: no command given (e.g. tfcs-run -np 2 python train.py)", file=sys.stderr)
         return 2
     base = dict(os.environ)
+    try:
+        plan = make_plan(args)
+        exports(args, base)
+    except ConfigurationError as e:
+        print(f"tfcs-run: {e}", file=sys.stderr)
+        return 2
     if not args.no_token:
         base.setdefault("TFCS_TOKEN", secrets.token_hex(16))
     received: List[int] = []
@@ -258,7 +311,7 @@ def run(argv: Optional[List[str]] = None) -> int:
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for attempt in range(args.max_restarts + 1):
-            code = _run_once(args, command, base, attempt, job_box, received)
+            code = _run_once(args, plan, command, base, attempt, job_box, received)
             if code == 0 or received:
                 break
             if attempt < args.max_restarts:
@@ -272,14 +325,13 @@ def run(argv: Optional[List[str]] = None) -> int:
     return code
 
 
-def _run_once(args, command, base: dict, attempt: int, job_box: list, received: list) -> int:
+def _run_once(args, plan: Plan, command, base: dict, attempt: int, job_box: list, received: list) -> int:
     """Start the workers once and wait for them; returns the job's exit code."""
-    if os.sep not in command[0] and shutil.which(command[0], path=base.get("PATH")) is None:
+    if (not all(plan.remote.values()) and os.sep not in command[0]
+            and shutil.which(command[0], path=base.get("PATH")) is None):
         _say(f"tfcs-run: cannot start {command[0]!r}: not found on PATH")
         return 127
-    host = args.host or "127.0.0.1"
-    port = args.port or _free_port(host)
-    coordinator = join_host_port(host, port)
+    coordinator = join_host_port(plan.coordinator_host, _coordinator_port(args, plan))
     procs, threads = [], []
     exits: List[Tuple[int, int]] = []  # (rank, code) in the order the workers exited
     exits_lock = threading.Lock()
@@ -289,9 +341,9 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
         with exits_lock:
             exits.append((rank, code))
 
-    job = Job(procs)
+    job = Job(procs, plan=plan)
     job_box[:] = [job]
-    if not _start_workers(args, command, base, attempt, coordinator, job, threads, wait_for):
+    if not _start_workers(args, plan, command, base, attempt, coordinator, job, threads, wait_for):
         return 127
     exit_code = 0
     signalled_at = None
@@ -325,8 +377,8 @@ def _run_once(args, command, base: dict, attempt: int, job_box: list, received: 
     return exit_code
 
 
-def _start_workers(args, command, base: dict, attempt: int, coordinator: str, job: Job, threads: list,
-                   wait_for) -> bool:
+def _start_workers(args, plan: Plan, command, base: dict, attempt: int, coordinator: str, job: Job,
+                   threads: list, wait_for) -> bool:
     """Start the ``args.np`` workers into ``job.procs``, each with threads that pump its output.
 
     Every worker's stdout and stderr go through ``_pump`` threads (appended to ``threads``) that prefix
@@ -334,22 +386,32 @@ def _start_workers(args, command, base: dict, attempt: int, coordinator: str, jo
     A worker that cannot start stops those already started; the result is then False.
     """
     lock = threading.Lock()
-    for rank in range(args.np):
-        env = worker_env(base, rank, args.np, coordinator, args, restart=attempt)
+    for slot in plan.slots:
+        env = worker_env(base, slot, args.np, coordinator, args, restart=attempt)
         try:
-            p = subprocess.Popen(_worker_argv(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+            p = _start_one(args, plan, slot, command, env, job)
         except OSError as e:
-            _say(f"tfcs-run: cannot start {command[0]!r}: {e}")
+            _say(f"tfcs-run: cannot start {job.name(slot.rank)}: {e}")
             job.stop(grace=2.0)
             return False
         job.procs.append(p)
-        prefix = b"" if args.no_prefix else f"[{rank}] ".encode()
+        prefix = b"" if args.no_prefix else f"[{slot.rank}] ".encode()
         for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
             threads.append(threading.Thread(target=_pump, args=(stream, out, prefix, lock), daemon=True))
             threads[-1].start()
-        threading.Thread(target=wait_for, args=(rank, p), daemon=True).start()
+        threading.Thread(target=wait_for, args=(slot.rank, p), daemon=True).start()
     return True
+
+
+def _start_one(args, plan: Plan, slot: hostlist.Slot, command, env: dict, job: Job) -> subprocess.Popen:
+    """Start the worker of ``slot``: here, or on its host over ssh (recorded in ``job.remote``)."""
+    if not plan.remote[slot.host]:
+        return subprocess.Popen(_worker_argv(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    ssh = ssh_argv(slot.host, args.ssh_command, args.ssh_port, args.ssh_identity_file)
+    worker = RemoteWorker.start(slot.host, command, forwarded_env(env), GRACE_S, ssh)
+    job.remote[slot.rank] = worker
+    return worker.proc
 
 
 def _stop_after_failure(args, job: Job, rank: int, code: int, received: list) -> None:
@@ -359,7 +421,7 @@ def _stop_after_failure(args, job: Job, rank: int, code: int, received: list) ->
     stopped (SIGSTOP: it reports nothing by itself); the report names every rank's outcome.
     """
     procs = job.procs
-    _say(f"tfcs-run: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; giving the other "
+    _say(f"tfcs-run: {job.name(rank)} (pid {procs[rank].pid}) {job.outcome(rank, code)}; giving the other "
          f"workers {args.grace:g} s to stop")
     end = time.monotonic() + args.grace
     while time.monotonic() < end and not received:
@@ -369,10 +431,10 @@ def _stop_after_failure(args, job: Job, rank: int, code: int, received: list) ->
         time.sleep(0.05)
     stopped = {r for r, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)}
     for r in sorted(stopped):
-        _say(f"tfcs-run: rank {r} (pid {procs[r].pid}) is stopped (SIGSTOP?) and will be killed")
+        _say(f"tfcs-run: {job.name(r)} (pid {procs[r].pid}) is stopped (SIGSTOP?) and will be killed")
     job.stop()
-    others = [f"rank {r} {_describe(p.returncode)}" for r, p in enumerate(procs) if r != rank]
-    _say(f"tfcs-run: job failed: rank {rank} {_describe(code)} (first failure); " + "; ".join(others))
+    others = [f"{job.name(r)} {job.outcome(r, p.returncode)}" for r, p in enumerate(procs) if r != rank]
+    _say(f"tfcs-run: job failed: {job.name(rank)} {job.outcome(rank, code)} (first failure); " + "; ".join(others))
 
 
 def _remove_segments_of(pids) -> None:
