@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
 .PHONY: setup test test-bench test-slow test-netns test-engines engines demo bench bench-allreduce bench-allreduce-np4 \
-        bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths docs clean settings-table
+        bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths bench-faults docs clean settings-table
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,11 @@ bench-paths: $(STAMP)
 		--sizes 8,4K,256K,4M --compare gloo --json bench-results/paths_np4_ring_nosmall.json
 	TFCS_NATIVE=0 $(BIN)/python benchmarks/keras_throughput.py --modes paired --rounds 2 --blocks 6 --steps 300 \
 		--json bench-results/paths_fit_no_native.json
+
+# Time from a fault (a cut link, a killed host) to each survivor's error, on namespace hosts joined by a
+# 1 Gbit/s shaped link (needs root; about 5 minutes).
+bench-faults: $(STAMP)
+	$(BIN)/python benchmarks/fault_detection.py --trials 10 --rate 1gbit --json bench-results/faults.json
 
 bench-fit: $(STAMP)
 	$(BIN)/python benchmarks/keras_throughput.py --modes paired,mwms --rounds 2 --blocks 6 --steps 300 \

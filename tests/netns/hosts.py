@@ -229,6 +229,21 @@ class NetnsHosts:
     def link_up(self, i: int) -> None:
         _ip("-n", self.bridge_ns, "link", "set", f"vh{i}", "up")
 
+    def kill_host(self, i: int) -> None:
+        """Host ``i`` dies: SIGKILL to every process in its namespace. Its kernel stays, as a machine's
+        network card would not: the peers' connections are closed by it (FIN / RST), unlike a cut link."""
+        _kill_inside(self.names[i])
+
+    def shape(self, rate: str = "1gbit", burst: str = "256kb", latency: str = "50ms") -> None:
+        """Every link at ``rate``, both ways (``tc tbf`` on each host's eth0 and on its bridge port; this
+        kernel has no netem, so a rate can be set and a delay cannot)."""
+        for i, ns in enumerate(self.names):
+            for where, dev in ((ns, "eth0"), (self.bridge_ns, f"vh{i}")):
+                p = subprocess.run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                                    "burst", burst, "latency", latency], capture_output=True, text=True, timeout=20)
+                if p.returncode != 0:
+                    raise RuntimeError(f"tc tbf on {where}/{dev} failed: {p.stderr.strip()}")
+
     # -- teardown ------------------------------------------------------------------------------------
     def close(self) -> None:
         for p in self._procs:

@@ -201,9 +201,53 @@ def loop(out: str, max_seconds: float, idle_after: int = 0, idle_sleep: float = 
         os._exit(3)  # do not wait on the dead peer at exit
 
 
+# -- fit until a fault ----------------------------------------------------------------------------------------
+def fitloop(out: str, max_seconds: float) -> None:
+    """tf_keras ``model.fit`` under CommStrategy on an endless dataset, ``progress N`` every 5 steps, until a
+    tf_commstrategy error (written to ``fitloop-<rank>.json`` as ``loop`` does) or ``max_seconds``."""
+    from tests.multiprocess import tf_workloads as W
+    tf = W.setup_tf(1)
+    import tf_commstrategy as tfcs
+    from tf_commstrategy.errors import TfcsError
+    keras = W.keras_module(2)
+    strategy = tfcs.CommStrategy()
+    info = _group_info(tfcs)
+    rank = info["rank"]
+    x, y = W.data(FIT_KIND)
+    with strategy.scope():
+        m = W.build(FIT_KIND, FIT_OPT, SEED)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(W.GLOBAL_BATCH)
+    end = time.monotonic() + max_seconds
+    steps = [0]
+
+    class Progress(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps[0] += 1
+            if steps[0] % 5 == 0:
+                print(f"progress {steps[0]}", flush=True)
+            time.sleep(0.01)  # a step of a few ms plus a pause: faults land both in and between collectives
+            if time.monotonic() > end:
+                self.model.stop_training = True
+
+    report = dict(info, collectives=0, error_class=None, message=None, t_error=None)
+    print(f"ready {json.dumps(info)}", flush=True)
+    try:
+        m.fit(ds, epochs=1, steps_per_epoch=10 ** 7, verbose=0, callbacks=[Progress()])
+    except TfcsError as e:
+        report.update(t_error=time.time(), collectives=steps[0], error_class=type(e).__name__,
+                      error_mro=[c.__name__ for c in type(e).__mro__], message=str(e))
+        _write_json(os.path.join(out, f"fitloop-{rank}.json"), report)
+        print(f"error {type(e).__name__} after {steps[0]} steps", flush=True)
+        os._exit(3)  # do not wait on the dead peer at exit
+    report["collectives"] = steps[0]
+    _write_json(os.path.join(out, f"fitloop-{rank}.json"), report)
+    print("fit ended without an error", flush=True)
+    sys.exit(2)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("kind", choices=["fit", "reference", "collectives", "loop"])
+    p.add_argument("kind", choices=["fit", "reference", "collectives", "loop", "fitloop"])
     p.add_argument("--out", required=True)
     p.add_argument("--max-seconds", type=float, default=90.0)
     p.add_argument("--idle-after", type=int, default=0)
@@ -213,6 +257,8 @@ def main(argv=None) -> None:
     if a.kind == "loop":
         idle_ranks = {int(r) for r in a.idle_ranks.split(",")} if a.idle_ranks else None
         loop(a.out, a.max_seconds, a.idle_after, a.idle_sleep, idle_ranks)
+    elif a.kind == "fitloop":
+        fitloop(a.out, a.max_seconds)
     else:
         {"fit": fit, "reference": reference, "collectives": collectives}[a.kind](a.out)
 
