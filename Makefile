@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup test test-bench test-slow test-netns test-engines engines demo bench bench-allreduce bench-allreduce-np4 \
+.PHONY: setup test test-bench test-slow test-netns test-engines test-ssh test-mpirun test-slurm engines demo bench bench-allreduce bench-allreduce-np4 \
         bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths bench-faults docs clean settings-table
 
 $(STAMP): pyproject.toml
@@ -37,7 +37,16 @@ test-netns: $(STAMP)
 engines:
 	timeout 600 bash tests/engines/install.sh
 
-# The engines' tests: the ssh launcher across namespace hosts, mpirun, a one-node Slurm cluster.
+# The engines' tests, one target (and one bounded CI step) per engine; `test-engines` runs them all.
+test-ssh: $(STAMP) engines
+	$(BIN)/python -m pytest -m "engines" tests/netns/test_ssh_launcher.py
+
+test-mpirun: $(STAMP) engines
+	$(BIN)/python -m pytest -m "engines" tests/engines/test_mpirun.py
+
+test-slurm: $(STAMP) engines
+	$(BIN)/python -m pytest -m "engines" tests/engines/test_slurm.py
+
 test-engines: $(STAMP) engines
 	$(BIN)/python -m pytest -m "engines" tests
 

@@ -24,11 +24,11 @@ def engine_env(**extra):
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm():
     reason = SC.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    cluster = SC.SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
+    cluster = SC.SlurmCluster(SC.short_directory())
     try:
         yield cluster
     finally:

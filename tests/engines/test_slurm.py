@@ -1,6 +1,7 @@
-"""A real one-node Slurm cluster (slurmctld + slurmd + munged, started by the fixture): the recipe and srun
+"""A real Slurm cluster (slurmctld + slurmd + munged, started by the tests): on one node the recipe and srun
 train examples/keras_mnist.py to the end with ranks from Slurm's own variables, and a rank killed during
-the job ends it with a non-zero code and the survivors' PeerLostError."""
+the job ends it with a non-zero code and the survivors' PeerLostError; on two nodes (one slurmd per
+network-namespace host) the recipe runs unchanged, two tasks on each node."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 
 import pytest
 
+from tests.engines import slurm_cluster as SC
 from tests.engines.conftest import engine_env
 from tests.engines.jobs import LOOP_WORKER, Command, final_lines, find_worker
 
@@ -61,3 +63,31 @@ def test_srun_rank_killed_ends_the_job_with_peer_lost(slurm, tmp_path):
     assert out.count("joined via Slurm") == 2, "ranks must come from the engine's own variables"
     assert "error PeerLostError" in out, out[-4000:]
     assert took < 30, f"srun took {took:.1f} s to end after rank 1 was killed"
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_sbatch_recipe_unchanged_on_two_namespace_nodes(tmp_path):
+    from tests.netns import hosts as H
+    reason = SC.unavailable_reason() or H.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    H.cleanup_stale()
+    with H.NetnsHosts(2) as hosts:
+        cluster = SC.SlurmCluster(SC.short_directory(), hosts)
+        try:
+            out = str(tmp_path / "slurm-%j.out")
+            job = Command(cluster.client_argv(["sbatch", "--wait", f"--output={out}", "examples/launch/slurm.sbatch",
+                                               "--epochs", "1", "--train-samples", "2000"]),
+                          cluster.env(engine_env()))
+            code = job.wait(240)
+        finally:
+            cluster.close()
+        logs = glob.glob(str(tmp_path / "slurm-*.out"))
+        text = open(logs[0]).read() if logs else "(no job output)"
+        assert code == 0, f"sbatch rc={code}: {job.output()}\n{text[-5000:]}\n{cluster.log('slurmctld.log')}"
+        finals = final_lines(text.splitlines())
+        assert len(finals) == 1 and "on 4 workers" in finals[0], text[-3000:]
+        assert text.count("val_accuracy") == 1, "one progress bar (rank 0's) expected"
+        for name in hosts.hostnames:  # the step's tasks ran on both nodes
+            assert "launch task StepId" in cluster.log(f"slurmd-{name}.log"), name
