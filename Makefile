@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
 .PHONY: setup test test-bench test-slow test-netns test-engines test-ssh test-mpirun test-slurm engines demo bench bench-allreduce bench-allreduce-np4 \
-        bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths bench-faults docs clean settings-table
+        bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths bench-faults bench-hvd docs clean settings-table
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,11 +53,11 @@ test-engines: $(STAMP) engines
 demo: $(STAMP)
 	$(BIN)/tfcs-run -np 2 $(BIN)/python examples/keras_mnist.py
 
-# Every figure of docs/benchmarks.md: `make bench` runs them all (about 20 minutes on 2 cores), each
+# Every figure of docs/benchmarks.md: `make bench` runs them all (about 30 minutes on 2 cores; bench-faults needs root), each
 # target one table; the JSON goes to bench-results/, the plots to docs/img/.
 SIZES := 8,4K,256K,4M,64M,256M
 BENCH := $(BIN)/tfcs-bench --interleave --rounds 4
-bench: bench-allreduce bench-allreduce-np4 bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths
+bench: bench-allreduce bench-allreduce-np4 bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths bench-hvd bench-faults
 
 bench-allreduce: $(STAMP)
 	$(BENCH) -np 2 --op allreduce --sizes $(SIZES) --compare tf-ring,gloo \
@@ -97,6 +97,12 @@ bench-paths: $(STAMP)
 # 1 Gbit/s shaped link (needs root; about 5 minutes).
 bench-faults: $(STAMP)
 	$(BIN)/python benchmarks/fault_detection.py --trials 10 --rate 1gbit --json bench-results/faults.json
+
+# A Horovod-style script (tf_commstrategy.horovod.DistributedOptimizer, no strategy) beside CommStrategy and the
+# ceiling, in the same processes (tf_keras: DistributedOptimizer wraps tf_keras optimizers).
+bench-hvd: $(STAMP)
+	$(BIN)/python benchmarks/keras_throughput.py --keras 2 --modes paired --paired-jobs tfcs,ceiling,lockstep,hvd \
+		--rounds 1 --blocks 8 --steps 300 --json bench-results/fit_hvd.json
 
 bench-fit: $(STAMP)
 	$(BIN)/python benchmarks/keras_throughput.py --modes paired,mwms --rounds 2 --blocks 6 --steps 300 \

@@ -84,12 +84,12 @@ def _comm_strategy():
     return tfcs.CommStrategy(sync_metrics=os.environ.get("TFCS_BENCH_SYNC_METRICS", "1") == "1")
 
 
-def _model(keras, cls=None):
+def _model(keras, cls=None, optimizer="adam"):
     L = keras.layers
     layers = [keras.Input((28, 28, 1)), L.Conv2D(32, 3, activation="relu"), L.MaxPooling2D(), L.Flatten(),
               L.Dense(128, activation="relu"), L.Dense(10)]
     model = (cls or keras.Sequential)(layers)
-    model.compile(optimizer="adam", metrics=["accuracy"],
+    model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -224,6 +224,21 @@ class StepBarrier:
 
 
 PAIRED_JOBS = ("tfcs", "ceiling", "lockstep")
+OPTIONAL_PAIRED_JOBS = ("hvd",)
+
+
+def _paired_jobs():
+    """The paired job's blocks: ``--paired-jobs`` (passed to the workers as TFCS_BENCH_PAIRED_JOBS)."""
+    return tuple(os.environ.get("TFCS_BENCH_PAIRED_JOBS", ",".join(PAIRED_JOBS)).split(","))
+
+
+def _hvd_model(keras):
+    """The ``hvd`` blocks: the model as a Horovod script builds it with ``tf_commstrategy.horovod``: no
+    strategy, the optimizer wrapped in ``hvd.DistributedOptimizer`` (one fused all-reduce of the step's
+    gradients), each worker training on its own batch of PER_WORKER_BATCH samples."""
+    import tf_commstrategy.horovod as hvd
+    hvd.init()
+    return _model(keras, optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam()))
 
 
 def _lockstep_model(keras, tf, barrier):
@@ -265,11 +280,15 @@ def paired_worker(steps, blocks, out):
     ds_c = _dataset(np, tf, rank, PER_WORKER_BATCH)
     jobs = {"tfcs": (model_t, _dataset(np, tf, rank, PER_WORKER_BATCH * n)), "ceiling": (model_c, ds_c),
             "lockstep": (_lockstep_model(keras, tf, barrier), ds_c)}
+    paired = _paired_jobs()
+    if "hvd" in paired:
+        jobs["hvd"] = (_hvd_model(keras), ds_c)
     for model, ds in jobs.values():
         model.fit(ds, epochs=1, steps_per_epoch=20, verbose=0)  # warm-up: tracing, first collectives
     rows = []
     for i in range(blocks):
-        order = PAIRED_JOBS[i % 3:] + PAIRED_JOBS[:i % 3]
+        k = i % len(paired)
+        order = paired[k:] + paired[:k]
         row = {"order": list(order)}
         for job in order:
             tfcs.barrier()
@@ -281,7 +300,7 @@ def paired_worker(steps, blocks, out):
         rows.append(row)
     barrier.close()
     # every rank's walls: the ceiling's (and lockstep's) samples/s is the sum over the N trainings
-    for job in ("ceiling", "lockstep"):
+    for job in [j for j in ("ceiling", "lockstep") if j in paired]:
         walls = tfcs.allgather(np.array([[r[job]["wall_s"] for r in rows]], dtype=np.float64))
         for i, r in enumerate(rows):
             r[job]["rank_wall_s"] = [float(w) for w in walls[:, i]]
@@ -291,6 +310,8 @@ def paired_worker(steps, blocks, out):
     for i, r in enumerate(rows):
         r["tfcs"]["rank_wait_s"] = [float(w) for w in waits[:, i]]
         r["tfcs"]["samples_per_s"] = PER_WORKER_BATCH * n * steps / r["tfcs"]["wall_s"]
+        if "hvd" in r:  # in lockstep like tfcs: every rank's PER_WORKER_BATCH samples per step
+            r["hvd"]["samples_per_s"] = PER_WORKER_BATCH * n * steps / r["hvd"]["wall_s"]
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"mode": "paired", "blocks": rows, "global_batch": PER_WORKER_BATCH * n,
@@ -444,7 +465,13 @@ def summarize(rounds, workers, steps):
                 1e3 * b["tfcs"]["rank_wait_s"][k] / b["tfcs"]["steps"] for b in blocks)
             lines.append("tfcs waiting for the other ranks per step, each rank (median over blocks): " + ", ".join(
                 f"rank {k} {rank_wait(k):.2f} ms" for k in range(len(blocks[0]["tfcs"]["rank_wait_s"]))))
-        for num, den in (("tfcs", "ceiling"),) + ((("lockstep", "ceiling"), ("tfcs", "lockstep")) if lock else ()):
+        hvd = all("hvd" in b for b in blocks)
+        if hvd:
+            lines.append(f"hvd per step (rank 0, median over blocks): {per_step('wall_s', 'hvd'):.2f} ms, inside "
+                         f"collectives {per_step('comm_s', 'hvd'):.2f} ms; collectives per hvd step "
+                         f"{per_step('collectives', 'hvd') / 1e3:.2f}")
+        for num, den in ((("tfcs", "ceiling"),) + ((("lockstep", "ceiling"), ("tfcs", "lockstep")) if lock else ())
+                         + ((("hvd", "ceiling"), ("hvd", "tfcs")) if hvd else ())):
             every = [x for r in rounds for x in paired_ratios(r["paired"], num, den)]
             lines.append(f"{num} / {den}, all {len(every)} rounds of blocks: median {statistics.median(every):.2f}, "
                          f"{min(every):.2f}-{max(every):.2f}, at least 0.9 in {sum(x >= 0.9 for x in every)}")
@@ -490,10 +517,19 @@ def main():
     p.add_argument("--modes", default=",".join(JOBS),
                    help="jobs of a round, from: " + ", ".join(JOBS + ("tfcs-python", "tfcs-grpc", "paired")))
     p.add_argument("--blocks", type=int, default=6, help="block pairs of the paired job (each --steps steps)")
+    p.add_argument("--paired-jobs", default=os.environ.get("TFCS_BENCH_PAIRED_JOBS", ",".join(PAIRED_JOBS)),
+                   help="the paired job's blocks, from " + ", ".join(PAIRED_JOBS + OPTIONAL_PAIRED_JOBS) +
+                        "; hvd (a Horovod-style script on tf_commstrategy.horovod) needs --keras 2")
     p.add_argument("--plot", help="write a PNG bar chart of the jobs here (needs matplotlib)")
     p.add_argument("--from-json", help="summarize / plot an earlier --json file instead of running")
     a = p.parse_args()
     os.environ["TFCS_BENCH_KERAS"] = a.keras  # the workers' flavour (they inherit the environment)
+    os.environ["TFCS_BENCH_PAIRED_JOBS"] = a.paired_jobs
+    unknown = set(a.paired_jobs.split(",")) - set(PAIRED_JOBS + OPTIONAL_PAIRED_JOBS)
+    if unknown or not {"tfcs", "ceiling"} <= set(a.paired_jobs.split(",")):
+        p.error(f"--paired-jobs {a.paired_jobs}: needs tfcs and ceiling, knows {PAIRED_JOBS + OPTIONAL_PAIRED_JOBS}")
+    if "hvd" in a.paired_jobs.split(",") and a.keras != "2":
+        p.error("--paired-jobs hvd: DistributedOptimizer wraps tf_keras optimizers; add --keras 2")
     if a.worker == "paired":
         return paired_worker(a.steps, a.blocks, a.out)
     if a.worker:

@@ -407,6 +407,21 @@ def backend_from_env(environ=None) -> str:
     return env_value("TFCS_BACKEND", parse_name, DEFAULT_BACKEND, environ)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def log_level_from_env(environ=None) -> Optional[str]:
+    """``TFCS_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR; when set, ``init()`` gives the ``tf_commstrategy``
+    logger that level and, if nothing handles its records yet, a handler on stderr (``tfcs-run --verbose``
+    sets INFO). Unset: logging is left as the program configured it."""
+    def parse(text: str) -> str:
+        level = text.strip().upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"one of {', '.join(LOG_LEVELS)}")
+        return level
+    return env_value("TFCS_LOG_LEVEL", parse, None, environ)
+
+
 def nccl_check_from_env(environ=None) -> bool:
     """``TFCS_NCCL_CHECK``: 1 (default) checks, with every nccl collective, that all ranks make the
     same call (one 16-byte all-reduce queued just ahead of it); 0 skips the check (a mismatched call
@@ -565,6 +580,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "with every nccl collective, all ranks check that they make the same call (one 16-byte all-reduce of "
             "a signature hash, queued just ahead of it), so a mismatch raises `CollectiveMismatchError` instead "
             "of hanging or mixing data up; `0` skips it (one-rank jobs never check)", "`1`"),
+    Setting(("TFCS_LOG_LEVEL",), "level of the `tf_commstrategy` logger, with a stderr handler if it has none "
+            "(`tfcs-run --verbose`: INFO)", "unset: as the program configured logging"),
     Setting(("TFCS_RESTART_COUNT",),
             "how many times `tfcs-run --max-restarts` has restarted the job (set by `tfcs-run`, read by your "
             "script)", "`0`"),

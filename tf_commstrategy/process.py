@@ -8,6 +8,7 @@ import threading
 from typing import Optional
 
 from . import backends as _backends  # noqa: F401  (registers the shipped backends)
+from . import config
 from .process_group import GroupSettings, ProcessGroup
 from .errors import ConfigurationError, NotInitializedError
 from .rendezvous.cluster_env import resolve_cluster
@@ -70,11 +71,25 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
                 f"init() was already called with other settings: running {_group.settings}, now asked for "
                 f"{settings}", rank=_group.rank,
                 fix="call init() once per process with the same settings, or tfcs.shutdown() first")
+        _configure_logging()
         _group = ProcessGroup(settings)
         _register_exit_hook()
         log.info("tf_commstrategy: rank %d of %d (local %d of %d) joined via %s", _group.rank, _group.size,
                  _group.local_rank, _group.local_size, spec.source)
         return _group
+
+
+def _configure_logging() -> None:
+    """``TFCS_LOG_LEVEL``: the logger's level, and a stderr handler when no handler would show its records."""
+    level = config.log_level_from_env()
+    if level is None:
+        return
+    logger = logging.getLogger("tf_commstrategy")
+    logger.setLevel(level)
+    if not logger.hasHandlers():
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(h)
 
 
 def _register_exit_hook() -> None:

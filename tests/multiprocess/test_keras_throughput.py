@@ -120,3 +120,31 @@ def test_the_lockstep_barrier_gives_up_at_its_deadline():
     kind, err = res[0]
     assert kind == "error" and err[0] == "RuntimeError" and "not reached by every rank within 1 s" in err[1]
     assert res[1][0] == "ok"
+
+
+@pytest.mark.timeout(300)
+def test_paired_job_with_horovod_style_blocks(tmp_path):
+    out = tmp_path / "paired_hvd.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFCS_")}
+    base = [sys.executable, SCRIPT, "--rounds", "1", "--steps", str(STEPS), "--modes", "paired"]
+    p = subprocess.run(base + ["--paired-jobs", "tfcs,ceiling,hvd"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "add --keras 2" in p.stderr
+    p = subprocess.run(base + ["--keras", "2", "--blocks", "3", "--paired-jobs", "tfcs,ceiling,hvd", "--json", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    job = json.loads(out.read_text())["rounds"][0]["paired"]
+    blocks = job["blocks"]
+    assert [b["order"] for b in blocks] == [["tfcs", "ceiling", "hvd"], ["ceiling", "hvd", "tfcs"],
+                                            ["hvd", "tfcs", "ceiling"]]
+    assert job["keras"].startswith("tf_keras 2.")
+    for b in blocks:
+        h, c = b["hvd"], b["ceiling"]
+        assert h["steps"] == STEPS and h["comm_s"] > 0
+        assert h["collectives"] == STEPS  # DistributedOptimizer: the step's gradients in one fused all-reduce
+        assert h["samples_per_s"] == pytest.approx(2 * 64 * STEPS / h["wall_s"])
+        assert c["collectives"] == 0
+    for num, den in (("hvd", "ceiling"), ("hvd", "tfcs")):
+        ratios = [b[num]["samples_per_s"] / b[den]["samples_per_s"] for b in blocks]
+        assert f"{num} / {den}, all 3 rounds of blocks: median {sorted(ratios)[1]:.2f}" in p.stdout, (num, den)
+    assert "collectives per hvd step 1.00" in p.stdout

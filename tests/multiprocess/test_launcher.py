@@ -324,3 +324,27 @@ def test_coordinator_port_is_outside_the_ephemeral_range():
     for _ in range(20):
         port = _free_port()
         assert not lo <= port <= hi, (port, lo, hi)
+
+
+def test_horovodrun_flags_on_one_machine(tmp_path):
+    # horovodrun's -H localhost:N, --verbose, --start-timeout and its tuning flags; -x as mpirun's
+    s = _script(tmp_path, """
+        import os
+        import numpy as np
+        import tf_commstrategy as tfcs
+        tfcs.init()
+        total = tfcs.allreduce(np.array([tfcs.rank() + 1.0]), op="sum")
+        print("result", tfcs.rank(), tfcs.local_rank(), total[0], os.environ["TFCS_RENDEZVOUS_TIMEOUT"],
+              os.environ["MY_SETTING"], os.environ["TFCS_LOG_LEVEL"])
+    """)
+    r = _run(["-np", "2", "-H", "localhost:2", "--verbose", "--start-timeout", "77", "--fusion-threshold-mb", "64",
+              "--cycle-time-ms", "5", "-x", "MY_SETTING=on", sys.executable, s])
+    assert r.returncode == 0, r.stderr
+    got = sorted(line.split("] ", 1)[1] for line in r.stdout.splitlines() if "result" in line)
+    assert got == [f"result {i} {i} 3.0 77.0 on INFO" for i in range(2)]
+    assert ("tfcs-run: 2 workers: rank 0 on localhost (local rank 0 of 2); rank 1 on localhost (local rank 1 "
+            "of 2)") in r.stderr
+    assert "--fusion-threshold-mb is accepted and not needed" in r.stderr
+    assert "--cycle-time-ms is accepted and not needed" in r.stderr
+    # --verbose: the workers' tf_commstrategy logger speaks at INFO, on stderr
+    assert sum("joined via TFCS_*" in line for line in r.stderr.splitlines()) == 2

@@ -193,8 +193,11 @@ def init(comm=None, process_sets=None) -> None:
     if not _process.is_initialized():
         _process.init()
     global_process_set.ranks = list(range(_process.size()))
-    from ..tf import install_keras_patches
+    from ..tf import install_keras_patches, setup_compiled_allreduce
     install_keras_patches()  # model.fit raises our typed errors, as under CommStrategy
+    # float gradients then take the compiled all-reduce, as under CommStrategy (a collective step: every
+    # process is here, in init)
+    setup_compiled_allreduce()
 
 
 def shutdown() -> None:

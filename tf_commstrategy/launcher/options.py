@@ -40,9 +40,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=SURVIVOR_GRACE_S,
                    help="seconds the other workers get to report a failure themselves before they are "
                         f"stopped (default {SURVIVOR_GRACE_S:g})")
+    p.add_argument("--verbose", action="store_true",
+                   help="say where each rank runs, and have the workers log at INFO (TFCS_LOG_LEVEL=INFO)")
     _add_host_options(p)
+    _add_horovodrun_tuning(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs")
     return p
+
+
+def _add_horovodrun_tuning(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("horovodrun's tuning flags, accepted and not needed")
+    g.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
+                   help="not needed: a step's gradients always travel in one fused collective")
+    g.add_argument("--cycle-time-ms", type=float, metavar="MS",
+                   help="not needed: collectives start when called, with no background cycle to wait for")
+
+
+def tuning_notes(args) -> List[str]:
+    """What ``tfcs-run`` says about horovodrun's tuning flags when they are given."""
+    notes = []
+    if args.fusion_threshold_mb is not None:
+        notes.append("--fusion-threshold-mb is accepted and not needed: each step's gradients travel in one "
+                     "fused collective, whatever their size")
+    if args.cycle_time_ms is not None:
+        notes.append("--cycle-time-ms is accepted and not needed: a collective starts when every rank calls it, "
+                     "with no background cycle")
+    return notes
 
 
 def _add_host_options(p: argparse.ArgumentParser) -> None:

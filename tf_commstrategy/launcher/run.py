@@ -42,7 +42,7 @@ from ..rendezvous.cluster_env import join_host_port
 from ..rendezvous.rendezvous import is_loopback
 from . import hosts as hostlist
 from . import shims
-from .options import build_parser, exports, job_hosts
+from .options import build_parser, exports, job_hosts, tuning_notes
 from .remote import RemoteWorker, forwarded_env, ssh_argv
 
 GRACE_S = 10.0          # SIGTERM -> SIGKILL
@@ -300,6 +300,13 @@ def run(argv: Optional[List[str]] = None) -> int:
         return 2
     if not args.no_token:
         base.setdefault("TFCS_TOKEN", secrets.token_hex(16))
+    for note in tuning_notes(args):
+        _say(f"tfcs-run: {note}")
+    if args.verbose:
+        base["TFCS_LOG_LEVEL"] = "INFO"
+        _say(f"tfcs-run: {args.np} workers: " + "; ".join(
+            f"rank {s.rank} on {s.host} (local rank {s.local_rank} of {s.local_size}"
+            f"{', over ssh' if plan.remote[s.host] else ''})" for s in plan.slots))
     received: List[int] = []
 
     def forward(signum, _frame):

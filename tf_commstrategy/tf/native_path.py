@@ -214,6 +214,12 @@ class NativeAllReduce:
         _kept.append(seg)
         return seg, []
 
+    @classmethod
+    def ready(cls, group) -> Optional["NativeAllReduce"]:
+        """This group's compiled all-reduce if ``for_group`` has set it up already, else None (no collective
+        step: any rank may ask at any time)."""
+        return _by_group.get(group)
+
     # -- use -------------------------------------------------------------------------------------
     def handles(self, tensors) -> bool:
         """Whether one call can take these tensors: all float32 or all float64, on the host."""

@@ -296,9 +296,41 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
     op = ReduceOp.parse(op)
     t = _tensor(x)
     check_dtype(t.dtype.as_numpy_dtype, op)
+    compiled = _compiled_allreduce([t], op, backend, timeout)
+    if compiled is not None:
+        return compiled[0]
     out, = run_collective(lambda b, a: [b.allreduce(a[0], op, timeout)], backend, [t], [t.dtype], [t.shape],
                           name="tfcs_allreduce")
     return out
+
+
+def _compiled_allreduce(ts: List[tf.Tensor], op: ReduceOp, backend: Optional[str], timeout: Optional[float]):
+    """SUM / MEAN of host float tensors through the group's compiled all-reduce, where a ``CommStrategy``
+    or ``setup_compiled_allreduce`` has set it up (every rank decides alike: the same group, dtypes and
+    devices); None where the Python path must run."""
+    if op not in (ReduceOp.SUM, ReduceOp.MEAN) or backend not in (None, "auto", "grpc"):
+        return None
+    from .native_path import NativeAllReduce
+    native = NativeAllReduce.ready(default_group())
+    if native is None or not native.handles(ts):
+        return None
+    check_not_xla("the all-reduce")
+    return native.allreduce(ts, op == ReduceOp.MEAN, timeout)
+
+
+def setup_compiled_allreduce() -> bool:
+    """Set up the default group's compiled all-reduce (shared-memory all-reduce of host float tensors, one
+    op with no ``tf.numpy_function``), which the tensor all-reduces of this layer then take. A collective
+    step: every rank calls it at the same point (``CommStrategy()`` does, and ``hvd.init``).
+
+    Returns:
+      Whether it runs (False where it cannot: ranks on several hosts, ``TFCS_NATIVE=0``, no compiler).
+
+    Raises:
+      ConfigurationError: ``TFCS_NATIVE=1`` and some rank cannot use it (the reason is named).
+    """
+    from .native_path import NativeAllReduce
+    return NativeAllReduce.for_group(default_group()) is not None
 
 
 def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
@@ -321,6 +353,9 @@ def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, time
     ts = [_tensor(x) for x in xs]
     for t in ts:
         check_dtype(t.dtype.as_numpy_dtype, op)
+    compiled = _compiled_allreduce(ts, op, backend, timeout)
+    if compiled is not None:
+        return compiled
     return run_collective(lambda b, arrs: b.batch_allreduce(arrs, op, timeout), backend, ts,
                           [t.dtype for t in ts], [t.shape for t in ts], name="tfcs_grouped_allreduce")
 

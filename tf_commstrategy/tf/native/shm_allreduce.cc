@@ -354,10 +354,12 @@ class ShmAllReduceOp : public OpKernel {
         const uint64_t theirs = s.sig(p, g)->load(std::memory_order_relaxed);
         if (theirs != sig) {
           s.state(rank_)->store(kMismatch, std::memory_order_release);
+          std::string shapes;  // this rank's side, for the message (the peer's is not in the segment)
+          for (int i = 0; i < n; ++i) shapes += (i ? ", " : "") + ctx->input(i).shape().DebugString();
           ctx->SetStatus(errors::FailedPrecondition(
               "[tfcs-native:mismatch] rank ", rank_, ": rank ", p, " called the all-reduce with other "
-              "tensors (this rank: ", n, " tensors, ", total, " elements of ", sizeof(T), " bytes",
-              mean_ ? ", MEAN" : ", SUM", ")"));
+              "tensors (this rank: ", n, " tensors of shapes ", shapes, "; ", total, " elements of ", sizeof(T),
+              " bytes", mean_ ? ", MEAN" : ", SUM", ")"));
           return;
         }
       }
