@@ -45,3 +45,11 @@ def test_a_ring_chunk_outside_its_limits_is_refused_before_the_rendezvous(chunk)
                                       environ={})
     with pytest.raises(ConfigurationError, match="chunk_bytes"):
         ProcessGroup(settings)  # no rendezvous attempted: the coordinator address above is never dialled
+
+
+def test_log_level():
+    from tf_commstrategy.config import log_level_from_env
+    assert log_level_from_env({}) is None
+    assert log_level_from_env({"TFCS_LOG_LEVEL": " info "}) == "INFO"
+    with pytest.raises(ConfigurationError, match="TFCS_LOG_LEVEL"):
+        log_level_from_env({"TFCS_LOG_LEVEL": "chatty"})
