@@ -74,3 +74,32 @@ def find_worker(needle: str, rank_var: str, rank: int) -> int:
 
 def final_lines(lines: List[str]) -> List[str]:
     return [line for line in lines if "final: test accuracy" in line]
+
+
+def kill_rank_and_check(job: Command, out_dir: str, rank_var: str, source: str, engine: str) -> None:
+    """Once both loop workers of ``job`` made progress, SIGKILL rank 1 (found by ``rank_var``); the engine's
+    command must then end with a non-zero code within 30 s, after the survivor's PeerLostError, and both
+    ranks must have joined through the engine's own variables (``source``)."""
+    job.wait_for_progress(2, 10, 120)
+    victim = find_worker(out_dir, rank_var, 1)
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    code = job.wait(60)
+    took = time.monotonic() - t0
+    out = job.output()
+    assert code not in (0, None), out[-4000:]
+    assert out.count(f"joined via {source}") == 2, "ranks must come from the engine's own variables"
+    assert "error PeerLostError" in out, out[-4000:]
+    assert took < 30, f"{engine} took {took:.1f} s to end after rank 1 was killed"
+
+
+def check_batch_job(code: Optional[int], job: Command, directory, workers: int, log: str) -> None:
+    """``sbatch --wait`` of the recipe (its output in ``directory``/slurm-*.out) trained to the end on
+    ``workers`` workers with one progress bar; ``log`` goes into the failure message."""
+    import glob
+    logs = glob.glob(os.path.join(str(directory), "slurm-*.out"))
+    text = open(logs[0]).read() if logs else "(no job output)"
+    assert code == 0, f"sbatch rc={code}: {job.output()}\n{text[-5000:]}\n{log}"
+    finals = final_lines(text.splitlines())
+    assert len(finals) == 1 and f"on {workers} workers" in finals[0], text[-3000:]
+    assert text.count("val_accuracy") == 1, "one progress bar (rank 0's) expected"

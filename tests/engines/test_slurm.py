@@ -5,16 +5,11 @@ network-namespace host) the recipe runs unchanged, two tasks on each node."""
 
 from __future__ import annotations
 
-import glob
-import os
-import signal
-import time
-
 import pytest
 
 from tests.engines import slurm_cluster as SC
 from tests.engines.conftest import engine_env
-from tests.engines.jobs import LOOP_WORKER, Command, final_lines, find_worker
+from tests.engines.jobs import LOOP_WORKER, Command, check_batch_job, final_lines, kill_rank_and_check
 
 pytestmark = pytest.mark.engines
 
@@ -28,13 +23,7 @@ def test_sbatch_recipe_trains_to_the_end(slurm, tmp_path):
     job = Command(["sbatch", "--wait", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", f"--output={out}",
                    "examples/launch/slurm.sbatch", "--epochs", "1", "--train-samples", "2000"],
                   slurm.env(engine_env()))
-    code = job.wait(200)
-    logs = glob.glob(str(tmp_path / "slurm-*.out"))
-    text = open(logs[0]).read() if logs else "(no job output)"
-    assert code == 0, f"sbatch rc={code}: {job.output()}\n{text[-5000:]}\n{slurm.log('slurmctld.log')}"
-    finals = final_lines(text.splitlines())
-    assert len(finals) == 1 and "on 2 workers" in finals[0], text[-3000:]
-    assert text.count("val_accuracy") == 1, "one progress bar (rank 0's) expected"
+    check_batch_job(job.wait(200), job, tmp_path, 2, slurm.log("slurmctld.log"))
 
 
 @pytest.mark.timeout(240)
@@ -52,17 +41,7 @@ def test_srun_rank_killed_ends_the_job_with_peer_lost(slurm, tmp_path):
     # as the recipe runs it: the survivor reports the lost rank itself, then the step ends
     job = Command(["srun", "-n", "2", "--kill-on-bad-exit=0", "python", LOOP_WORKER, "loop", "--out",
                    str(tmp_path), "--max-seconds", "120"], slurm.env(engine_env(TFCS_TIMEOUT="30")))
-    job.wait_for_progress(2, 10, 120)
-    victim = find_worker(str(tmp_path), "SLURM_PROCID", 1)
-    t0 = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    code = job.wait(60)
-    took = time.monotonic() - t0
-    out = job.output()
-    assert code not in (0, None), out[-4000:]
-    assert out.count("joined via Slurm") == 2, "ranks must come from the engine's own variables"
-    assert "error PeerLostError" in out, out[-4000:]
-    assert took < 30, f"srun took {took:.1f} s to end after rank 1 was killed"
+    kill_rank_and_check(job, str(tmp_path), "SLURM_PROCID", "Slurm", "srun")
 
 
 @pytest.mark.netns
@@ -83,11 +62,6 @@ def test_sbatch_recipe_unchanged_on_two_namespace_nodes(tmp_path):
             code = job.wait(240)
         finally:
             cluster.close()
-        logs = glob.glob(str(tmp_path / "slurm-*.out"))
-        text = open(logs[0]).read() if logs else "(no job output)"
-        assert code == 0, f"sbatch rc={code}: {job.output()}\n{text[-5000:]}\n{cluster.log('slurmctld.log')}"
-        finals = final_lines(text.splitlines())
-        assert len(finals) == 1 and "on 4 workers" in finals[0], text[-3000:]
-        assert text.count("val_accuracy") == 1, "one progress bar (rank 0's) expected"
+        check_batch_job(code, job, tmp_path, 4, cluster.log("slurmctld.log"))
         for name in hosts.hostnames:  # the step's tasks ran on both nodes
             assert "launch task StepId" in cluster.log(f"slurmd-{name}.log"), name
