@@ -174,6 +174,7 @@ def test_a_lost_host_is_named_and_the_job_ends_everywhere(ssh_hosts, tmp_path, f
     """host-kill: every process of host 1 (its workers, the remote shims, sshd) gets SIGKILL;
     link-cut: host 1's link goes down, its processes live on and must end by themselves."""
     hosts, ssh = ssh_hosts(2)
+    hosts.shape("1gbit")  # a link with a real rate (tc tbf; no netem here, so no delay)
     job = _loop_job(hosts, ssh, tmp_path)
     t0 = time.monotonic()
     if fault == "host-kill":
