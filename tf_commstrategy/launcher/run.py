@@ -230,11 +230,10 @@ class Job:
         return self.plan.label(rank) if self.plan is not None else f"rank {rank}"
 
     def outcome(self, rank: int, code: Optional[int]) -> str:
+        """How rank ``rank`` ended; ``name`` already says on which host."""
         if rank in self.remote and code == SSH_FAILED:
-            return (f"lost its ssh connection to {self.remote[rank].host} (ssh exited with code {SSH_FAILED}: "
-                    "the host went down or out of reach, or refused the login)") if self.plan is None else (
-                    f"lost its ssh connection (ssh exited with code {SSH_FAILED}: the host went down or out "
-                    "of reach, or refused the login)")
+            return (f"lost its ssh connection (ssh exited with code {SSH_FAILED}: the host went down or out of "
+                    "reach, or refused the login)")
         return _describe(code)
 
     def signal_all(self, sig: int, groups: bool = False) -> None:
