@@ -429,9 +429,19 @@ class ShmAllReduceOp : public OpKernel {
             return false;
           }
         }
-        for (int p = 0; p < size_; ++p) {
+        // the cause first: a peer that found a mismatch or a divergence also aborts the group, and its
+        // abort may reach this rank (its own word then says "failed") before this loop runs
+        int stopped = -1;
+        for (int p = 0; p < size_ && stopped < 0; ++p) {
           const uint64_t st = s.state(p)->load(std::memory_order_acquire);
-          if (st == 0) continue;
+          if (p != rank_ && (st == kMismatch || st == kDiverged)) stopped = p;
+        }
+        for (int p = 0; p < size_ && stopped < 0; ++p) {
+          if (s.state(p)->load(std::memory_order_acquire) != 0) stopped = p;
+        }
+        if (stopped >= 0) {
+          const int p = stopped;
+          const uint64_t st = s.state(p)->load(std::memory_order_acquire);
           if (p == rank_) {  // this rank's process group failed (Python set the word): stop now
             ctx->SetStatus(errors::FailedPrecondition(
                 st == kShutdown ? "[tfcs-native:shutdown] rank " : "[tfcs-native:failed] rank ", rank_,
