@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence
 import numpy as np
 
 from .core.backend import normalize_backend_name
+from .config import parse_compression
 from .core.device_arrays import is_device_array as _is_device_array
 from .core.device_arrays import to_host
 from .core.reduce_ops import ReduceOp, check_dtype
@@ -27,9 +28,11 @@ class TensorHandler(Protocol):
     def accepts(self, x) -> bool:
         """True for a tensor of this framework."""
 
-    def allreduce(self, x, op, *, backend: Optional[str], timeout: Optional[float]): ...
+    def allreduce(self, x, op, *, backend: Optional[str], timeout: Optional[float],
+                  compression: Optional[str] = None): ...
 
-    def grouped_allreduce(self, xs: List, op, *, backend: Optional[str], timeout: Optional[float]) -> List: ...
+    def grouped_allreduce(self, xs: List, op, *, backend: Optional[str], timeout: Optional[float],
+                          compression: Optional[str] = None) -> List: ...
 
     def broadcast(self, x, root_rank: int, *, backend: Optional[str], timeout: Optional[float]): ...
 
@@ -112,9 +115,9 @@ def _staged(b, x):
     return x, _same
 
 
-def _run_batch(b, method: str, arrs: List, *args) -> List:
+def _run_batch(b, method: str, arrs: List, *args, **kwargs) -> List:
     pairs = [_staged(b, a) for a in arrs]
-    results = getattr(b, method)([p[0] for p in pairs], *args)
+    results = getattr(b, method)([p[0] for p in pairs], *args, **kwargs)
     return [p[1](r) for p, r in zip(pairs, results)]
 
 
@@ -130,7 +133,8 @@ def _check_root(root_rank: int) -> int:
     return int(root_rank)
 
 
-def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None, out=None):
+def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None, out=None,
+              compression: Optional[str] = None):
     """Reduce ``x`` over all workers; every worker gets the result.
 
     Args:
@@ -140,6 +144,8 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
       timeout: deadline in seconds for this call (default: the group's, ``TFCS_TIMEOUT``).
       out: numpy only: a C-contiguous array of ``x``'s shape and dtype that receives the result
         (``out=x`` reduces in place, like Horovod's ``allreduce_``; saves allocating the result).
+      compression: "none" | "fp16" | "bf16": float32 / float64 sums and means travel as that dtype, half
+        the bytes (or less), rounded at every ring step (default: the job's, ``TFCS_COMPRESSION``).
 
     Returns:
       An array of the same type, shape and dtype as ``x`` (``out`` when given).
@@ -161,24 +167,34 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
             raise UnsupportedOperationError(f"out= is supported for numpy arrays on the grpc backend, not for "
                                             f"a {type(x).__name__} input (tensors are immutable)",
                                             fix="drop out= and use the returned tensor")
-        return handler.allreduce(x, op, backend=backend, timeout=timeout)
+        return handler.allreduce(x, op, backend=backend, timeout=timeout, compression=compression)
     op = ReduceOp.parse(op)
     arr = _as_array(x, "allreduce")
     _check(arr, op)
     b = _backend(backend, arr)
+    comp = compression_of(compression)
     if out is None:
         a, back = _staged(b, arr)
-        return back(b.allreduce(a, op, timeout))
+        return back(b.allreduce(a, op, timeout, compression=comp))
     if (not b.capabilities.out_arrays or not isinstance(out, np.ndarray)
             or not isinstance(arr, np.ndarray)):
         raise UnsupportedOperationError(f"out= is supported for numpy arrays on the grpc backend, not for "
                                         f"a {type(arr).__name__} input and a {type(out).__name__} out= on {b.name}",
                                         fix="drop out= and use the returned array")
-    return b.allreduce(arr, op, timeout, out=out)
+    return b.allreduce(arr, op, timeout, out=out, compression=comp)
+
+
+def compression_of(compression: Optional[str]) -> str:
+    """A call's compression: its own setting, else the job's (``tfcs.init(compression=)``, ``TFCS_COMPRESSION``).
+
+    Raises:
+      ConfigurationError: an unknown name.
+    """
+    return parse_compression(compression) if compression is not None else default_group().compression
 
 
 def grouped_allreduce(xs: Sequence, op="sum", *, backend: Optional[str] = None,
-                      timeout: Optional[float] = None) -> List:
+                      timeout: Optional[float] = None, compression: Optional[str] = None) -> List:
     """Allreduce a list of arrays as one fused transfer per dtype. Same arguments as ``allreduce``.
 
     Args:
@@ -187,6 +203,7 @@ def grouped_allreduce(xs: Sequence, op="sum", *, backend: Optional[str] = None,
       op: "sum" | "mean" | "min" | "max" | "prod" (or ``tf.distribute.ReduceOp``).
       backend: "grpc" | "nccl" | "auto" for this call only (default: the group's backend).
       timeout: deadline in seconds for each fused transfer (default: the group's, ``TFCS_TIMEOUT``).
+      compression: as for ``allreduce``.
 
     Returns:
       A list of reduced arrays (tensors for tensor inputs), in the order of ``xs``.
@@ -202,14 +219,15 @@ def grouped_allreduce(xs: Sequence, op="sum", *, backend: Optional[str] = None,
     """
     handler = _handler_for(xs[0]) if xs else None
     if handler is not None:
-        return handler.grouped_allreduce(list(xs), op, backend=backend, timeout=timeout)
+        return handler.grouped_allreduce(list(xs), op, backend=backend, timeout=timeout, compression=compression)
     op = ReduceOp.parse(op)
     arrs = [_as_array(x, "grouped_allreduce") for x in xs]
     if not arrs:
         return []
     for a in arrs:
         _check(a, op)
-    return _run_batch(_backend(backend, arrs[0]), "batch_allreduce", arrs, op, timeout)
+    comp = compression_of(compression)
+    return _run_batch(_backend(backend, arrs[0]), "batch_allreduce", arrs, op, timeout, compression=comp)
 
 
 def broadcast(x, root_rank: int = 0, *, backend: Optional[str] = None, timeout: Optional[float] = None):

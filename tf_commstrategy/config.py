@@ -389,6 +389,34 @@ def transport_from_env(environ=None) -> str:
     return env_value("TFCS_TRANSPORT", parse_transport, "auto", environ)
 
 
+#: Compression names, as ``CommStrategy(compression=...)``, ``CommOptions`` and ``TFCS_COMPRESSION`` take them.
+COMPRESSIONS = ("none", "fp16", "bf16")
+
+_COMPRESSION_ALIASES = {"": "none", "off": "none", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+
+
+def parse_compression(name: Optional[str]) -> str:
+    """The canonical name of a compression setting (None or empty: "none").
+
+    Args:
+      name: "none", "fp16" or "bf16" (also "float16", "half", "bfloat16", "off"), any case.
+
+    Raises:
+      ConfigurationError: an unknown name.
+    """
+    n = (name or "none").strip().lower()
+    n = _COMPRESSION_ALIASES.get(n, n)
+    if n not in COMPRESSIONS:
+        raise ConfigurationError(f"unknown compression {name!r}", fix="use none, fp16 or bf16")
+    return n
+
+
+def compression_from_env(environ=None) -> str:
+    """``TFCS_COMPRESSION``: how float32 / float64 sums and means travel, "none" (default), "fp16" or
+    "bf16" (``core.compression``)."""
+    return env_value("TFCS_COMPRESSION", parse_compression, "none", environ)
+
+
 def native_from_env(environ=None) -> str:
     """``TFCS_NATIVE``: the compiled all-reduce op of the strategy when every rank shares one host's
     memory: "auto" (default: used when it builds), "on" (``1``: it must, else ConfigurationError), "off"
@@ -496,6 +524,21 @@ def bench_ports_from_env(environ=None) -> List[int]:
     return env_value("TFCS_BENCH_PORTS", lambda s: [parse_count(p) for p in s.split(",")], [], environ)
 
 
+def bench_hosts_from_env(size: int, environ=None) -> List[str]:
+    """``TFCS_BENCH_HOSTS``: each rank's address for the peers ``tfcs-bench`` compares with, comma-separated
+    in rank order (a job across hosts, ``benchmarks/link_allreduce.py``); unset: 127.0.0.1 for every rank.
+
+    Raises:
+      ConfigurationError: not one address per rank.
+    """
+    def parse(text: str) -> List[str]:
+        hosts = [h.strip() for h in text.split(",") if h.strip()]
+        if len(hosts) != size:
+            raise ConfigurationError(f"{len(hosts)} addresses for {size} ranks", fix="give one address per rank")
+        return hosts
+    return env_value("TFCS_BENCH_HOSTS", parse, ["127.0.0.1"] * size, environ)
+
+
 # -- the table of every variable (docs/usage.md's table is generated from it) ------------------------
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -525,6 +568,10 @@ SETTINGS: Tuple[Setting, ...] = (
             "`shm`, `unix`, `tcp` (raw TCP on every link, same-host ones included; opt-in between hosts), "
             "`grpc` (always possible); also `tfcs-run --transport`, `tfcs.init(transport=...)`, "
             "`CommStrategy(transport=...)`", "`auto`"),
+    Setting(("TFCS_COMPRESSION",),
+            "how float32 / float64 sums and means travel: `none`, `fp16` or `bf16` (half the bytes, rounded to "
+            "that dtype at every ring step; docs/usage.md); also `tfcs.init(compression=...)`, "
+            "`CommStrategy(compression=...)`, `CommOptions(compression=...)`, `compression=` per call", "`none`"),
     Setting(("TFCS_TF_THREADS",),
             "TensorFlow's intra-/inter-op pool size under `CommStrategy`: `auto` (each of a host's workers gets "
             "`cores // local workers` when several share it), `off` (TensorFlow's defaults), or a number; also "
@@ -586,6 +633,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "how many times `tfcs-run --max-restarts` has restarted the job (set by `tfcs-run`, read by your "
             "script)", "`0`"),
     Setting(("TFCS_BENCH_PORTS",), "free ports `tfcs-bench` hands its workers (set by `tfcs-bench`)", "unset"),
+    Setting(("TFCS_BENCH_HOSTS",), "each rank's address for the benchmark's peers (set by "
+            "`benchmarks/link_allreduce.py`)", "127.0.0.1 for every rank"),
 )
 
 

@@ -24,7 +24,8 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
          rendezvous_timeout: Optional[float] = None, chunk_bytes: Optional[int] = None,
          bind_host: Optional[str] = None, advertise_host: Optional[str] = None,
          token: Optional[str] = None, transport: Optional[str] = None, tls_cert: Optional[str] = None,
-         tls_key: Optional[str] = None, tls_ca: Optional[str] = None) -> ProcessGroup:
+         tls_key: Optional[str] = None, tls_ca: Optional[str] = None,
+         compression: Optional[str] = None) -> ProcessGroup:
     """Join the job (a collective call: every worker calls it).
 
     Args:
@@ -46,6 +47,8 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
       tls_cert / tls_key / tls_ca: PEM files for mutual TLS on every gRPC port of the job: this worker's
         certificate and key, and the CA that signed every worker's certificate (``TFCS_TLS_CERT`` /
         ``TFCS_TLS_KEY`` / ``TFCS_TLS_CA``; all three or none). See docs/fault_tolerance.md.
+      compression: how the job's float32 / float64 all-reduces travel by default, "none" | "fp16" |
+        "bf16" (``TFCS_COMPRESSION``, default "none"; a call's ``compression=`` overrides it).
 
     Returns:
       The process group (also reachable through the module functions).
@@ -62,7 +65,8 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
         from .core.grpc_util import TlsConfig
         tls = TlsConfig.from_paths(tls_cert or "", tls_key or "", tls_ca or "")
     settings = GroupSettings.resolve(spec, backend, timeout, rendezvous_timeout, chunk_bytes,
-                                     bind_host, advertise_host, token, transport, tls=tls)
+                                     bind_host, advertise_host, token, transport, tls=tls,
+                                     compression=compression)
     with _lock:
         if _group is not None:
             if _group.settings == settings:

@@ -17,6 +17,7 @@ from . import config
 from .core import grpc_util
 from .core.auto import choose
 from .core.backend import Backend, CollectiveWatch, factory_for, normalize_backend_name
+from .config import parse_compression
 from .errors import ConfigurationError, NotInitializedError
 from .rendezvous import rendezvous as rdv
 from .rendezvous.cluster_env import ClusterSpec, split_host_port
@@ -41,11 +42,12 @@ class GroupSettings:
     transport: str = "auto"
     token: Optional[str] = dataclasses.field(repr=False, default=None)
     tls: Optional[grpc_util.TlsConfig] = dataclasses.field(repr=False, default=None)
+    compression: str = "none"
 
     @classmethod
     def resolve(cls, spec: ClusterSpec, backend=None, timeout=None, rendezvous_timeout=None,
                 chunk_bytes=None, bind_host=None, advertise_host=None, token=None, transport=None, environ=None,
-                tls=None):
+                tls=None, compression=None):
         env = os.environ if environ is None else environ
         b = normalize_backend_name(backend) or normalize_backend_name(config.backend_from_env(env))
         return cls(
@@ -60,6 +62,8 @@ class GroupSettings:
             transport=config.parse_transport(transport) if transport else config.transport_from_env(env),
             token=token if token is not None else config.token_from_env(env),
             tls=tls if tls is not None else grpc_util.TlsConfig.from_env(env),
+            compression=(parse_compression(compression) if compression is not None
+                         else config.compression_from_env(env)),
         )
 
 
@@ -84,6 +88,7 @@ class ProcessGroup:
         self.token = settings.token
         self.transport = config.parse_transport(settings.transport)  # also when settings were built by hand
         self.tls = settings.tls
+        self.compression = parse_compression(settings.compression)  # the default of the job's all-reduces
         if self.tls is not None and self.transport == "tcp":
             raise ConfigurationError("transport='tcp' sends tensors unencrypted, but TLS is configured",
                                      rank=self.rank, fix="use transport 'auto' or 'grpc' with TLS (gRPC carries "

@@ -173,11 +173,13 @@ def _values_worker(rank, size):
     out["grouped reducescatter"] = [t.numpy() for t in hvd.grouped_reducescatter(
         [tf.constant(xs), tf.constant(_x(rank, "float64", (4, 3), 10))], op=SUM)]
     out["reducescatter errors"] = [_error(lambda: hvd.reducescatter(tf.constant(1.0)))]
-    # fp16 compression: what reaches the collective is float16; the result comes back in float32
+    # fp16 compression: all-reduces hand the core float32 tensors and its "fp16" compression (the bytes
+    # it then sends: tests/multiprocess/test_compression.py); reduce-scatter casts to float16 in the
+    # graph; the result comes back in float32
     seen = []
     real_allreduce, real_rs = hops._core_allreduce, hops._core_reduce_scatter
-    hops._core_allreduce = lambda ts, op: seen.append(("allreduce", [t.dtype.name for t in ts])) or \
-        real_allreduce(ts, op)
+    hops._core_allreduce = lambda ts, op, wire=None: seen.append(("allreduce", [t.dtype.name for t in ts], wire)) \
+        or real_allreduce(ts, op, wire)
     hops._core_reduce_scatter = lambda t, op: seen.append(("reducescatter", [t.dtype.name])) or real_rs(t, op)
     try:
         c = _x(rank, "float32", (6,), 11) * 100
@@ -370,14 +372,14 @@ def test_reducescatter_uneven(values):
         assert cls == "UnsupportedOperationError" and "scalar" in msg
 
 
-def test_fp16_compression_sends_float16(values):
+def test_fp16_compression_travels_as_float16(values):
     cs = [_x(r, "float32", (6,), 11) * 100 for r in range(2)]
     halves = [c.astype(np.float16) for c in cs]
     xs = [_x(r, "float32", (9, 2), 10).astype(np.float64) for r in range(2)]
     for rank, out in enumerate(values):
-        assert out["wire"] == [("allreduce", ["float16"]), ("allreduce", ["float32"]),
-                               ("allreduce", ["float16", "int32"]), ("reducescatter", ["float16"]),
-                               ("allreduce", ["float16"])], out["wire"]
+        assert out["wire"] == [("allreduce", ["float32"], "fp16"), ("allreduce", ["float32"], None),
+                               ("allreduce", ["float32", "int32"], "fp16"), ("reducescatter", ["float16"]),
+                               ("allreduce", ["float32"], "fp16")], out["wire"]
         assert out["fp16"].dtype == np.float32 and out["fp16 fn"].dtype == np.float32
         # the mean of the float16 values, within float16's precision of the exact mean
         np.testing.assert_allclose(out["fp16"], (halves[0].astype(np.float32) + halves[1]) / 2, rtol=1e-3)

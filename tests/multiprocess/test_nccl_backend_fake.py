@@ -107,6 +107,47 @@ def test_broadcast_allgather_reduce_scatter_grouped_barrier(size):
         assert r["staged"][1] == "cupy.ndarray"
 
 
+def w_compressed(rank, size):
+    cupy, tfcs, fake = _setup()
+    from tf_commstrategy.process import default_group
+    nccl = default_group().backend("nccl")
+    x = np.random.default_rng(rank).standard_normal(1000).astype(np.float32) * 3
+    r = {}
+    for name, arr, compression in (("none", x, "none"), ("fp16", x, "fp16"), ("bf16", x, "bf16"),
+                                   ("f64 fp16", x.astype(np.float64), "fp16")):
+        before = nccl.stats().collective_bytes
+        y = tfcs.allreduce(cupy.asarray(arr), "sum", backend="nccl", compression=compression)
+        r[name] = (to_host(y), nccl.stats().collective_bytes - before)
+    before = nccl.stats().collective_bytes
+    ys = tfcs.grouped_allreduce([cupy.asarray(x), cupy.asarray(np.arange(4, dtype=np.int32))], "mean",
+                                backend="nccl", compression="fp16")
+    r["grouped"] = ([to_host(y)[0] for y in ys], nccl.stats().collective_bytes - before)
+    return r
+
+
+def test_compressed_allreduces_move_half_the_bytes_and_come_back_in_their_dtype():
+    size = 2
+    results = run_workers(w_compressed, size, timeout=180)
+    xs = [np.random.default_rng(q).standard_normal(1000).astype(np.float32) * 3 for q in range(size)]
+    ref = np.sum(np.stack(xs).astype(np.float64), axis=0)
+    mags = np.abs(np.stack(xs)).sum(axis=0)
+    for r in results:
+        (y, kind), moved = r["none"]
+        assert moved == 4000 and kind == "cupy.ndarray"
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+        for name, unit in (("fp16", 2.0 ** -11), ("bf16", 2.0 ** -8)):
+            (yc, kind), moved_c = r[name]
+            assert moved_c == 2000 and yc.dtype == np.float32 and kind == "cupy.ndarray", (name, moved_c, yc.dtype)
+            err = np.abs(yc - ref)
+            assert (err <= (2 * size) * unit * mags).all() and err.max() > 1e-4, (name, float(err.max()))
+        (y64, _), moved64 = r["f64 fp16"]
+        assert y64.dtype == np.float64 and moved64 == 2000
+        grouped, moved_g = r["grouped"]
+        assert moved_g == 2000 + 16  # float32 narrowed, int32 as it is
+        assert (np.abs(grouped[0] - ref / size) <= 2 * 2.0 ** -11 * mags).all()
+        np.testing.assert_array_equal(grouped[1], np.arange(4, dtype=np.int32))
+
+
 def w_mismatch(rank, size, shapes):
     cupy, tfcs, fake = _setup()
     tfcs.allreduce(cupy.asarray(np.ones(2, np.float32)), backend="nccl")

@@ -53,3 +53,38 @@ def test_log_level():
     assert log_level_from_env({"TFCS_LOG_LEVEL": " info "}) == "INFO"
     with pytest.raises(ConfigurationError, match="TFCS_LOG_LEVEL"):
         log_level_from_env({"TFCS_LOG_LEVEL": "chatty"})
+
+
+@pytest.mark.parametrize("text,want", [
+    (None, "none"), ("", "none"), ("off", "none"), ("FP16", "fp16"), (" half ", "fp16"), ("float16", "fp16"),
+    ("bf16", "bf16"), ("bfloat16", "bf16"),
+])
+def test_compression_names(text, want):
+    from tf_commstrategy.config import compression_from_env, parse_compression
+    assert parse_compression(text) == want
+    env = {} if text is None else {"TFCS_COMPRESSION": text}
+    assert compression_from_env(env) == want
+
+
+def test_an_unknown_compression_is_refused_naming_the_variable():
+    from tf_commstrategy.config import compression_from_env
+    with pytest.raises(ConfigurationError, match="TFCS_COMPRESSION.*int8|int8.*TFCS_COMPRESSION"):
+        compression_from_env({"TFCS_COMPRESSION": "int8"})
+
+
+def test_what_compression_narrows():
+    import ml_dtypes
+    import numpy as np
+
+    from tf_commstrategy.core.compression import wire_dtype
+    from tf_commstrategy.core.reduce_ops import ReduceOp
+    S, M = ReduceOp.SUM, ReduceOp.MEAN
+    assert wire_dtype("fp16", np.float32, S) == np.float16
+    assert wire_dtype("fp16", np.float64, M) == np.float16
+    assert wire_dtype("bf16", np.float32, M) == np.dtype(ml_dtypes.bfloat16)
+    assert wire_dtype("bf16", "float32", S) == np.dtype(ml_dtypes.bfloat16)  # the nccl backend's dtype names
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.int32, np.int64, np.bool_, "no such dtype"):
+        assert wire_dtype("fp16", dtype, S) is None, dtype
+    for op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD):
+        assert wire_dtype("fp16", np.float32, op) is None, op
+    assert wire_dtype("none", np.float32, S) is None

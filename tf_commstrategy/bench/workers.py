@@ -152,7 +152,8 @@ class TfRingSession(Session):
     def __init__(self, args, rank, size):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         ports = config.bench_ports_from_env()[:size]
-        os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        hosts = config.bench_hosts_from_env(size)
+        os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"{h}:{p}" for h, p in zip(hosts, ports)]},
                                               "task": {"type": "worker", "index": rank}})
         import tensorflow as tf
         self.tf, self.args, self.rank, self.size = tf, args, rank, size
@@ -196,7 +197,8 @@ class GlooSession(Session):
         self.torch, self.dist, self.args, self.size = torch, dist, args, size
         torch.set_num_threads(1)
         port = config.bench_ports_from_env()[-1]  # the one that tf-ring's servers leave free
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        host = config.bench_hosts_from_env(size)[0]  # rank 0 runs gloo's store
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=size)
         self.rank = rank
 
     def calls(self, nbytes, n):

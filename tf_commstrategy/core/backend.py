@@ -39,9 +39,12 @@ class BackendStats:
 
     Attributes:
       collectives: the collectives this rank has issued on the backend.
+      collective_bytes: the bytes of the buffers this rank's collectives moved, as they travel (after
+        compression: a float32 buffer all-reduced with ``compression="fp16"`` counts half its size).
     """
 
     collectives: int = 0
+    collective_bytes: int = 0
 
 
 class CollectiveWatch(Protocol):
@@ -122,13 +125,15 @@ class Backend(abc.ABC):
     _failed: Optional[BaseException] = None
 
     @abc.abstractmethod
-    def allreduce(self, buf, op: ReduceOp, timeout: Optional[float] = None):
+    def allreduce(self, buf, op: ReduceOp, timeout: Optional[float] = None, *, compression: str = "none"):
         """Return a new buffer holding ``op`` over every rank's ``buf`` (same shape and dtype).
 
         Args:
           buf: this rank's contribution; same shape and dtype on every rank.
           op: the reduction.
           timeout: deadline in seconds (None: the group's).
+          compression: "none", "fp16" or "bf16" (``core.compression``): float32 / float64 sums and
+            means travel as that dtype; the same on every rank (checked with the signature).
 
         Returns:
           The reduced buffer, of the same shape and dtype, on every rank.
@@ -180,19 +185,21 @@ class Backend(abc.ABC):
           timeout: deadline in seconds (None: the group's).
         """
 
-    def batch_allreduce(self, bufs: Sequence, op: ReduceOp, timeout: Optional[float] = None) -> List:
+    def batch_allreduce(self, bufs: Sequence, op: ReduceOp, timeout: Optional[float] = None, *,
+                        compression: str = "none") -> List:
         """Allreduce many buffers; the default fuses per dtype into one transfer (backends may override).
 
         Args:
           bufs: the buffers, in the same order on every rank.
           op: the reduction.
           timeout: deadline in seconds for each fused transfer (None: the group's).
+          compression: as for ``allreduce``.
 
         Returns:
           The reduced buffers, in the order of ``bufs``.
         """
         from .fusion import fused_allreduce
-        return fused_allreduce(self, bufs, op, timeout)
+        return fused_allreduce(self, bufs, op, timeout, compression=compression)
 
     def batch_broadcast(self, bufs: Sequence, root: int, timeout: Optional[float] = None) -> List:
         """Broadcast many buffers from ``root``, fused per dtype into one transfer each.

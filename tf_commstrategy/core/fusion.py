@@ -65,7 +65,7 @@ def unflatten(flat, bufs: Sequence, idxs: Sequence[int], out: List) -> None:
         off += n
 
 
-def fused_allreduce(backend, bufs: Sequence, op, timeout=None) -> List:
+def fused_allreduce(backend, bufs: Sequence, op, timeout=None, *, compression: str = "none") -> List:
     """All-reduce many buffers with one ``backend.allreduce`` per dtype.
 
     Args:
@@ -73,6 +73,7 @@ def fused_allreduce(backend, bufs: Sequence, op, timeout=None) -> List:
       bufs: the buffers, in the same order on every rank.
       op: the reduction.
       timeout: deadline in seconds for each call (None: the group's).
+      compression: as for ``Backend.allreduce``.
 
     Returns:
       The reduced buffers, in the order of ``bufs``.
@@ -80,8 +81,8 @@ def fused_allreduce(backend, bufs: Sequence, op, timeout=None) -> List:
     out: List = [None] * len(bufs)
     for _, idxs in group_by_dtype(bufs).items():
         fused = flatten(bufs, idxs)  # a fresh buffer of ours: reduce it in place where the backend can
-        flat = (backend.allreduce(fused, op, timeout, out=fused) if backend.capabilities.out_arrays
-                else backend.allreduce(fused, op, timeout))
+        flat = (backend.allreduce(fused, op, timeout, out=fused, compression=compression)
+                if backend.capabilities.out_arrays else backend.allreduce(fused, op, timeout, compression=compression))
         unflatten(flat, bufs, idxs, out)
     return out
 

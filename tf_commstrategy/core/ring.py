@@ -239,7 +239,7 @@ def _allreduce_wide(link, flat: np.ndarray, op: ReduceOp, chunks: Sequence, boun
 
 
 def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_bytes: int = 0,
-              src: Optional[np.ndarray] = None) -> np.ndarray:
+              src: Optional[np.ndarray] = None, wide: bool = True) -> np.ndarray:
     """Ring all-reduce of a 1-D contiguous array; returns ``flat``.
 
     In place (``flat`` holds the input), or with ``src`` out of place: ``src`` is read, never written,
@@ -252,7 +252,9 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
 
     float16 / bfloat16 sums, means and products travel as float32 partials through the
     reduce-scatter half and are rounded once, so the result is the float32 reduction rounded
-    (as if accumulated in float32); the all-gather half moves the rounded values.
+    (as if accumulated in float32); the all-gather half moves the rounded values. With ``wide=False``
+    (a compressed all-reduce, ``core.compression``) the partials travel in the buffer's own dtype, each
+    step's sum rounded to it: half the bytes of the reduce-scatter half, a rounding per step.
 
     Args:
       link: the ring link (``rank``, ``size``, ``send``, ``recv``).
@@ -260,6 +262,8 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
       op: the reduction.
       chunk_elems: pipelining unit, in elements.
       small_bytes: threshold of the all-gather path (0: never).
+      src: this rank's input when not ``flat`` (out of place).
+      wide: float16 / bfloat16 partials travel as float32 (see above).
 
     Returns:
       ``flat``, holding the reduction over every rank.
@@ -268,8 +272,8 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
       CollectiveMismatchError: a neighbour sent a chunk of another size (another shape or dtype).
     """
     W, r = link.size, link.rank
-    if src is not None and (W == 1 or (small_bytes > 0 and flat.nbytes * (W - 1) <= small_bytes)
-                            or needs_wide_accumulator(flat.dtype, op)):
+    wide = wide and needs_wide_accumulator(flat.dtype, op)
+    if src is not None and (W == 1 or (small_bytes > 0 and flat.nbytes * (W - 1) <= small_bytes) or wide):
         flat[...] = src  # these paths work in place
         src = None
     if W == 1:
@@ -281,7 +285,7 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
     bounds = even_bounds(flat.size, W)
     cuts = sorted(set(getattr(flat, "cuts", ())) | set(getattr(src, "cuts", ())))
     chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems, cuts) for i in range(W)]
-    if needs_wide_accumulator(flat.dtype, op):
+    if wide:
         return _allreduce_wide(link, flat, op, chunks, bounds)
     if op is ReduceOp.MEAN:
         # Divide this rank's own segment before it is sent: once a chunk is handed to the link it may

@@ -4,6 +4,11 @@ A compressor turns a tensor into what travels (``compress(tensor) -> (tensor, ct
 (``decompress(tensor, ctx)``); the collective runs on the compressed tensor. ``fp16`` halves the bytes
 of float32 / float64 gradients at the price of float16's precision and range (values beyond 65504
 overflow); tensors that are not floating point pass unchanged.
+
+The all-reduces hand the built-in compressors to the core's compression instead (``wire``): a float16
+tensor cast in the graph would still travel as float32 partial sums through the ring's reduce-scatter,
+which the core keeps for the accuracy of float16 data; compressed, the partial sums travel as float16
+too. Reduce-scatter (and a compressor of the user's own) casts in the graph as above.
 """
 
 from __future__ import annotations
@@ -12,7 +17,14 @@ import tensorflow as tf
 
 
 class Compressor:
-    """Interface for compressing and decompressing a given tensor."""
+    """Interface for compressing and decompressing a given tensor.
+
+    Attributes:
+      wire: the core's compression that does this compressor's work inside an all-reduce ("fp16"), or
+        None: ``compress`` / ``decompress`` run around the collective (in the job's compression).
+    """
+
+    wire = None
 
     @staticmethod
     def compress(tensor):
@@ -24,7 +36,7 @@ class Compressor:
 
 
 class NoneCompressor(Compressor):
-    """The default: no compression."""
+    """The default: no compression (the job's own, ``TFCS_COMPRESSION``, still applies)."""
 
     @staticmethod
     def compress(tensor):
@@ -39,6 +51,8 @@ class NoneCompressor(Compressor):
 
 class FP16Compressor(Compressor):
     """Floating-point tensors travel as float16 and come back in their own dtype."""
+
+    wire = "fp16"
 
     @staticmethod
     def compress(tensor):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -123,10 +123,10 @@ def _check_global_id(process_set_id, what: str) -> None:
 
 # The core's collectives on tensors: every collective of this module goes through these four.
 
-def _core_allreduce(tensors: List[tf.Tensor], op: ReduceOp) -> List[tf.Tensor]:
+def _core_allreduce(tensors: List[tf.Tensor], op: ReduceOp, wire: Optional[str] = None) -> List[tf.Tensor]:
     if len(tensors) == 1:
-        return [tensor_ops.allreduce(tensors[0], op)]
-    return tensor_ops.grouped_allreduce(tensors, op)
+        return [tensor_ops.allreduce(tensors[0], op, compression=wire)]
+    return tensor_ops.grouped_allreduce(tensors, op, compression=wire)
 
 
 def _core_allgather(tensor: tf.Tensor) -> tf.Tensor:
@@ -188,20 +188,32 @@ def _with_gradient(forward: Callable, backward: Callable, xs: List[tf.Tensor]) -
     return list(op(*xs))
 
 
-def _reduce(ts: List[tf.Tensor], op: int, pre: float, post: float) -> List[tf.Tensor]:
-    """Horovod's all-reduce of ``ts`` (no gradient): prescale, reduce, postscale."""
+def _reduce(ts: List[tf.Tensor], op: int, pre: float, post: float, wire: Optional[str] = None) -> List[tf.Tensor]:
+    """Horovod's all-reduce of ``ts`` (no gradient): prescale, reduce (``wire``: the core's compression;
+    None: the job's), postscale."""
     ts = [_scale(t, pre) for t in ts]
     if op != Average:
-        return [_scale(o, post) for o in _core_allreduce(ts, _CORE_OPS[op])]
+        return [_scale(o, post) for o in _core_allreduce(ts, _CORE_OPS[op], wire)]
     if all(t.dtype.is_floating for t in ts):
-        return [_scale(o, post) for o in _core_allreduce(ts, ReduceOp.MEAN)]
-    return [_scale(o, post / size()) for o in _core_allreduce(ts, ReduceOp.SUM)]
+        return [_scale(o, post) for o in _core_allreduce(ts, ReduceOp.MEAN, wire)]
+    return [_scale(o, post / size()) for o in _core_allreduce(ts, ReduceOp.SUM, wire)]
 
 
-def _allreduce(ts: List[tf.Tensor], op: int, pre: float, post: float) -> List[tf.Tensor]:
+def _allreduce(ts: List[tf.Tensor], op: int, pre: float, post: float, wire: Optional[str] = None) -> List[tf.Tensor]:
     """``_reduce`` whose gradient is the same all-reduce of the upstream gradients."""
-    return _with_gradient(lambda xs: _reduce(xs, op, pre, post),
-                          lambda xs, where, dys: _allreduce(dys, op, pre, post), ts)
+    return _with_gradient(lambda xs: _reduce(xs, op, pre, post, wire),
+                          lambda xs, where, dys: _allreduce(dys, op, pre, post, wire), ts)
+
+
+def _compressed_allreduce(ts: List[tf.Tensor], compression, op: int, pre: float, post: float) -> List[tf.Tensor]:
+    """``_allreduce`` under a Horovod compressor: the built-in ones name the core's compression
+    (``Compressor.wire``), which narrows on the wire itself (partial sums travel narrow too); another
+    compressor's ``compress`` / ``decompress`` run around the collective."""
+    if compression.wire is not None:
+        return _allreduce(ts, op, pre, post, compression.wire)
+    pairs = [compression.compress(t) for t in ts]
+    reduced = _allreduce([p[0] for p in pairs], op, pre, post)
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
 def _allgather(t: tf.Tensor) -> tf.Tensor:
@@ -305,9 +317,8 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='', compressi
     _begin(process_set, "allreduce", op)
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_slices([tensor], op, prescale_factor, postscale_factor, "allreduce")[0]
-    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    reduced, = _allreduce([compressed], op, prescale_factor, postscale_factor)
-    return compression.decompress(reduced, ctx)
+    return _compressed_allreduce([tf.convert_to_tensor(tensor)], compression, op, prescale_factor,
+                                 postscale_factor)[0]
 
 
 def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', compression=Compression.none,
@@ -341,10 +352,10 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', 
         for i, s in zip(sparse, gathered):
             out[i] = s
     if dense:
-        pairs = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
-        reduced = _allreduce([p[0] for p in pairs], op, prescale_factor, postscale_factor)
-        for i, r, (_, ctx) in zip(dense, reduced, pairs):
-            out[i] = compression.decompress(r, ctx)
+        reduced = _compressed_allreduce([tf.convert_to_tensor(tensors[i]) for i in dense], compression, op,
+                                        prescale_factor, postscale_factor)
+        for i, r in zip(dense, reduced):
+            out[i] = r
     return out
 
 

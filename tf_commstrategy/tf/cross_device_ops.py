@@ -179,7 +179,8 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
                 # one value per worker: the collective's own MEAN divides by the world size (each rank
                 # its own segment, before the all-gather), so no division op per tensor follows
                 folded = mean and all(c == self._ext._num_workers for c in counts)
-                reduced = self._cross_worker_reduce(local_sums, merged, backend, mean=folded)
+                reduced = self._cross_worker_reduce(local_sums, merged, backend, mean=folded,
+                                                    compression=self._compression(options, merged))
                 divide = mean and not folded
             else:
                 reduced = local_sums
@@ -197,17 +198,26 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         with tf.device(parts[0].device):
             return parts[0] if len(parts) == 1 else tf.add_n(parts)
 
-    def _cross_worker_reduce(self, tensors, merged, backend, mean: bool) -> List[tf.Tensor]:
+    def _compression(self, options, merged) -> str:
+        """The call's compression: its own options' (a plain TF default merged over them drops it), the
+        strategy's, else the job's (``TFCS_COMPRESSION``)."""
+        return (opts.compression_of(options) or opts.compression_of(merged)
+                or opts.compression_of(self._ext._communication_options) or self._ext._group.compression)
+
+    def _cross_worker_reduce(self, tensors, merged, backend, mean: bool, compression: str = "none") -> List[tf.Tensor]:
         """All-reduce the tensors across workers in ONE numpy_function, one collective per fusion group
         (``fusion_groups``: one dtype, at most ``bytes_per_pack`` bytes), SUM, or MEAN when ``mean``.
 
         Each group is concatenated into a flat tensor in the graph, the numpy_function writes each result
         straight into the tensor it returns, and the results are split and reshaped back in the graph.
+        A compressed call (``compression`` not "none") takes the backend's path, which narrows the
+        float32 / float64 groups; the compiled all-reduce moves them as they are.
         """
         backend = self._backend_for(backend, tensors)
         timeout = opts.timeout_of(merged)
         native = self._ext._native
-        if native is not None and backend in (None, "auto", "grpc") and native.handles(tensors):  # host: grpc
+        if (native is not None and compression == "none" and backend in (None, "auto", "grpc")
+                and native.handles(tensors)):  # host: grpc
             tensor_ops.check_not_xla("the all-reduce")
             return native.allreduce(tensors, mean, timeout)  # compiled: no numpy_function, concat or split
         groups = fusion_groups([t.dtype for t in tensors], [_static_nbytes(t) for t in tensors],
@@ -222,9 +232,9 @@ class CommCrossDeviceOps(cdo.CrossDeviceOps):
         def call(b, arrs, outs=None):
             if outs is not None and b.capabilities.out_arrays:
                 for a, o in zip(arrs, outs):  # straight into the arrays that become the returned tensors
-                    b.allreduce(a, op, timeout, out=o)
+                    b.allreduce(a, op, timeout, out=o, compression=compression)
                 return outs
-            reduced = [b.allreduce(a, op, timeout) for a in arrs]
+            reduced = [b.allreduce(a, op, timeout, compression=compression) for a in arrs]
             if outs is not None:
                 for o, r in zip(outs, reduced):
                     o[...] = r

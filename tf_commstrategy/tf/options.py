@@ -8,6 +8,8 @@ Precedence for one call: ``CommOptions.backend`` > ``implementation`` (RING / NC
 default (``CommStrategy(backend=...)``, then its ``communication_options``) > ``TFCS_BACKEND`` >
 "auto". ``timeout_seconds`` becomes the collective deadline (0, TensorFlow's "no timeout", means the
 job's deadline: no collective waits without one), ``bytes_per_pack`` the fusion bucket size.
+``CommOptions.compression`` > the strategy's (``CommStrategy(compression=...)``) > the job's
+(``tfcs.init(compression=...)``, ``TFCS_COMPRESSION``) > "none".
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from tensorflow.python.distribute import collective_util
 
 from .. import config
 from ..core.backend import normalize_backend_name
+from ..config import parse_compression
 
 Implementation = collective_util.CommunicationImplementation
 
 
 class CommOptions(collective_util.Options):
-    """``CommunicationOptions`` plus a backend name and a ring transport.
+    """``CommunicationOptions`` plus a backend name, a ring transport and compression.
 
     Args:
       backend: "grpc" | "nccl" | "auto" | None (None: decided by ``implementation`` / the strategy).
@@ -35,18 +38,23 @@ class CommOptions(collective_util.Options):
       transport: data path under the ring ("auto" | "shm" | "unix" | "tcp" | "grpc"). It is fixed
         when the job starts: given to ``CommStrategy(communication_options=...)`` it selects it;
         on a single call it must equal the job's (else ConfigurationError).
+      compression: "none" | "fp16" | "bf16" | None (None: the strategy's, else the job's): float32 /
+        float64 gradients travel as float16 / bfloat16, half the bytes, rounded at every ring step
+        (``core.compression``); the compiled one-host all-reduce is not used for compressed calls.
 
     Raises:
-      ConfigurationError: ``backend`` is not a known backend name, or ``transport`` a known transport.
+      ConfigurationError: ``backend`` is not a known backend name, ``transport`` a known transport, or
+        ``compression`` a known compression.
     """
 
     def __init__(self, backend: Optional[str] = None, bytes_per_pack: int = 0,
                  timeout_seconds: Optional[float] = None, implementation=Implementation.AUTO,
-                 transport: Optional[str] = None):
+                 transport: Optional[str] = None, compression: Optional[str] = None):
         super().__init__(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds,
                          implementation=implementation)
         self.backend = normalize_backend_name(backend)
         self.transport = None if transport is None else config.parse_transport(transport)
+        self.compression = None if compression is None else parse_compression(compression)
 
     def merge(self, options):
         """These options overridden by the values ``options`` sets (TF's ``Options.merge``, plus backend).
@@ -66,11 +74,37 @@ class CommOptions(collective_util.Options):
                 merged.backend = options.backend
             if options.transport is not None:
                 merged.transport = options.transport
+            if options.compression is not None:
+                merged.compression = options.compression
         return merged
 
     def __str__(self):
         return (f"CommOptions(backend={self.backend}, bytes_per_pack={self.bytes_per_pack}, "
-                f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation})")
+                f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation}, "
+                f"compression={self.compression})")
+
+
+def with_compression(options, compression: str) -> "CommOptions":
+    """A copy of ``options`` (None, TF's ``CommunicationOptions`` or a ``CommOptions``) as a ``CommOptions``
+    whose compression is ``compression`` (``CommStrategy(compression=...)`` beats its options' own)."""
+    out = CommOptions(compression=compression)
+    return out.merge(None) if options is None else _as_comm_options(options).merge(out)
+
+
+def _as_comm_options(options) -> "CommOptions":
+    if isinstance(options, CommOptions):
+        return copy.deepcopy(options)
+    return CommOptions(bytes_per_pack=options.bytes_per_pack, timeout_seconds=options.timeout_seconds,
+                       implementation=options.implementation)
+
+
+def compression_of(options) -> Optional[str]:
+    """The compression a merged options object asks for, None when it leaves it to the job's.
+
+    Args:
+      options: a ``CommOptions``, a TF ``CommunicationOptions``, or None.
+    """
+    return getattr(options, "compression", None)
 
 
 def timeout_of(options) -> Optional[float]:

@@ -95,6 +95,9 @@ class CommStrategy(tf.distribute.MirroredStrategy):
       heap: "auto" (default, ``TFCS_HEAP``): glibc keeps the memory a training step frees for the next
         step instead of returning it to the kernel and faulting it back in (see ``heap.py``); "off":
         glibc's own thresholds. Left alone when ``MALLOC_*_`` variables or another allocator are set.
+      compression: "none" | "fp16" | "bf16": float32 / float64 gradients travel as float16 / bfloat16,
+        half the bytes, rounded at every ring step (default: ``communication_options``' own, else the
+        job's, ``TFCS_COMPRESSION``); a call's ``CommOptions(compression=...)`` overrides it. See docs/api.md.
       **init_kwargs: passed to ``tf_commstrategy.init`` when the process group is not yet initialized.
 
     Raises:
@@ -104,7 +107,7 @@ class CommStrategy(tf.distribute.MirroredStrategy):
 
     def __init__(self, devices: Optional[Sequence[str]] = None, backend: Optional[str] = None,
                  communication_options=None, sync_metrics: bool = True, timeout: Optional[float] = None,
-                 tf_threads=None, heap=None, **init_kwargs):
+                 tf_threads=None, heap=None, compression: Optional[str] = None, **init_kwargs):
         wanted = init_kwargs.get("transport") or getattr(communication_options, "transport", None)
         if process.is_initialized() and set(init_kwargs) <= {"transport"}:
             # joined already (tfcs.init with whatever settings): timeout= is this strategy's deadline, and
@@ -118,6 +121,8 @@ class CommStrategy(tf.distribute.MirroredStrategy):
             if wanted is not None:
                 init_kwargs["transport"] = wanted  # the ring's data path is chosen when the job starts
             group = process.init(timeout=timeout, **init_kwargs)
+        if compression is not None:
+            communication_options = opts.with_compression(communication_options, compression)
         self._thread_plan = threads.configure(tf_threads, group.local_size, group.rank)  # before TF starts
         self._heap_plan = heap_policy.configure(heap, group.rank)
         extended = CommExtended(self, devices, group, normalize_backend_name(backend), communication_options,

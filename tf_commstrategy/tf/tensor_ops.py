@@ -24,6 +24,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
+from ..config import parse_compression
 from ..core.reduce_ops import ReduceOp, check_dtype
 from ..errors import (CollectiveError, ConfigurationError, NotInitializedError, TfcsError,
                       UnsupportedOperationError)
@@ -277,7 +278,8 @@ def accepts(x) -> bool:
     return type(x).__module__.startswith("tensorflow")
 
 
-def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None,
+              compression: Optional[str] = None):
     """``tfcs.allreduce`` for a tf.Tensor (eager or inside tf.function); returns a tensor.
 
     Args:
@@ -285,6 +287,8 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
       op: "sum" | "mean" | "min" | "max" | "prod" (or ``tf.distribute.ReduceOp``).
       backend: "grpc" | "nccl" | "auto" for this call only.
       timeout: deadline in seconds for this call.
+      compression: "none" | "fp16" | "bf16" (None: the job's); a compressed call takes the backend's
+        path, not the compiled all-reduce.
 
     Returns:
       The reduced tensor, same shape and dtype.
@@ -296,12 +300,18 @@ def allreduce(x, op="sum", *, backend: Optional[str] = None, timeout: Optional[f
     op = ReduceOp.parse(op)
     t = _tensor(x)
     check_dtype(t.dtype.as_numpy_dtype, op)
-    compiled = _compiled_allreduce([t], op, backend, timeout)
+    comp = compression_of(compression)
+    compiled = _compiled_allreduce([t], op, backend, timeout) if comp == "none" else None
     if compiled is not None:
         return compiled[0]
-    out, = run_collective(lambda b, a: [b.allreduce(a[0], op, timeout)], backend, [t], [t.dtype], [t.shape],
-                          name="tfcs_allreduce")
+    out, = run_collective(lambda b, a: [b.allreduce(a[0], op, timeout, compression=comp)], backend, [t],
+                          [t.dtype], [t.shape], name="tfcs_allreduce")
     return out
+
+
+def compression_of(compression: Optional[str]) -> str:
+    """A call's compression: its own, else the job's (``tfcs.init(compression=)``, ``TFCS_COMPRESSION``)."""
+    return parse_compression(compression) if compression is not None else default_group().compression
 
 
 def _compiled_allreduce(ts: List[tf.Tensor], op: ReduceOp, backend: Optional[str], timeout: Optional[float]):
@@ -333,7 +343,8 @@ def setup_compiled_allreduce() -> bool:
     return NativeAllReduce.for_group(default_group()) is not None
 
 
-def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None):
+def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, timeout: Optional[float] = None,
+                      compression: Optional[str] = None):
     """``tfcs.grouped_allreduce`` for tensors: one fused collective per dtype.
 
     Args:
@@ -341,6 +352,7 @@ def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, time
       op: the reduction.
       backend: "grpc" | "nccl" | "auto" for this call only.
       timeout: deadline in seconds for each fused transfer.
+      compression: as for ``allreduce``.
 
     Returns:
       The reduced tensors, in order.
@@ -353,10 +365,11 @@ def grouped_allreduce(xs: List, op="sum", *, backend: Optional[str] = None, time
     ts = [_tensor(x) for x in xs]
     for t in ts:
         check_dtype(t.dtype.as_numpy_dtype, op)
-    compiled = _compiled_allreduce(ts, op, backend, timeout)
+    comp = compression_of(compression)
+    compiled = _compiled_allreduce(ts, op, backend, timeout) if comp == "none" else None
     if compiled is not None:
         return compiled
-    return run_collective(lambda b, arrs: b.batch_allreduce(arrs, op, timeout), backend, ts,
+    return run_collective(lambda b, arrs: b.batch_allreduce(arrs, op, timeout, compression=comp), backend, ts,
                           [t.dtype for t in ts], [t.shape for t in ts], name="tfcs_grouped_allreduce")
 
 

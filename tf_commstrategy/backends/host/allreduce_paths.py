@@ -38,9 +38,11 @@ class AllReducePath(Protocol):
     def takes(self, flat: np.ndarray, op: ReduceOp, in_place: bool) -> bool:
         """Whether this path runs an all-reduce of ``flat`` (job-wide facts only: every rank agrees)."""
 
-    def run(self, link, flat: np.ndarray, op: ReduceOp, src: Optional[np.ndarray], sig: str) -> bool:
+    def run(self, link, flat: np.ndarray, op: ReduceOp, src: Optional[np.ndarray], sig: str, wide: bool) -> bool:
         """All-reduce into ``flat`` (from ``src``, or in place when None); False when it declined (on
-        every rank alike) and the next path must run it."""
+        every rank alike) and the next path must run it. ``wide``: float16 / bfloat16 partial sums that
+        cross a link travel as float32 (False: in the buffer's dtype, a compressed all-reduce); paths
+        that add up in shared memory accumulate in float32 either way."""
 
 
 class DirectAllReduce:
@@ -56,7 +58,7 @@ class DirectAllReduce:
         return (self._layout.direct is not None and flat.nbytes > DIRECT_ABOVE_BYTES
                 and (self._shared.active or self._cma(flat, op)))
 
-    def run(self, link, flat, op, src, sig) -> bool:
+    def run(self, link, flat, op, src, sig, wide) -> bool:
         found = self._shared.find(flat) if src is None else None
         return shm_direct.allreduce(self._layout.direct, flat, found, op, link.seq, sig, link.deadline,
                                     abort=link.abort_now, on_timeout=link.timeout_error, src=src,
@@ -73,7 +75,7 @@ class SharedBuffersAllReduce:
         f = self._layout.buffers
         return f is not None and (self._layout.size >= 3 or 0 < flat.nbytes <= f.small_bytes)
 
-    def run(self, link, flat, op, src, sig) -> bool:
+    def run(self, link, flat, op, src, sig, wide) -> bool:
         self._layout.buffers.allreduce([flat if src is None else src], [flat], op, link.seq, sig, link.deadline,
                                       abort=link.abort_now, on_timeout=link.timeout_error)
         return True
@@ -88,19 +90,20 @@ class HierarchicalAllReduce:
     def takes(self, flat, op, in_place) -> bool:
         return self._layout.hierarchical
 
-    def run(self, link, flat, op, src, sig) -> bool:
+    def run(self, link, flat, op, src, sig, wide) -> bool:
         """MEAN is summed all the way and divided once at the end (the host groups may differ in size)."""
         host, leaders = self._layout.host_ring, self._layout.leader_ring
-        wide = needs_wide_accumulator(flat.dtype, op)
+        wide = wide and needs_wide_accumulator(flat.dtype, op)
         inner = ReduceOp.SUM if op is ReduceOp.MEAN else op
         work = flat
         if wide:  # float16 / bfloat16: accumulate in float32 through both reductions, round once
             work = (src if src is not None else flat).astype(np.float32)
             src = None
         ce = self._chunk_elems(work.dtype)
-        ring.allreduce(link.on(host) if host.size > 1 else SINGLE, work, inner, ce, src=src)
+        # work is float32 already when widened; otherwise its partials travel as they are
+        ring.allreduce(link.on(host) if host.size > 1 else SINGLE, work, inner, ce, src=src, wide=False)
         if leaders is not None and leaders.size > 1:
-            ring.allreduce(link.on(leaders), work, inner, ce)
+            ring.allreduce(link.on(leaders), work, inner, ce, wide=False)
         if host.size > 1:
             ring.broadcast(link.on(host, phase_id=3), work, 0, ce)
         if op is ReduceOp.MEAN:
@@ -119,8 +122,9 @@ class RingAllReduce:
     def takes(self, flat, op, in_place) -> bool:
         return True
 
-    def run(self, link, flat, op, src, sig) -> bool:
-        ring.allreduce(link or SINGLE, flat, op, self._chunk_elems(flat.dtype, op), self._layout.small_bytes, src=src)
+    def run(self, link, flat, op, src, sig, wide) -> bool:
+        ring.allreduce(link or SINGLE, flat, op, self._chunk_elems(flat.dtype, op if wide else None),
+                       self._layout.small_bytes, src=src, wide=wide)
         return True
 
 
@@ -139,11 +143,13 @@ class AllReducePlanner:
                                            HierarchicalAllReduce(layout, chunk_elems), self._ring]
         self.calls: Dict[str, int] = {}
 
-    def run(self, link, flat: np.ndarray, op: ReduceOp, src: Optional[np.ndarray], sig: str) -> np.ndarray:
-        """All-reduce into ``flat`` on the first path that takes it (the ring alone in a job of one)."""
+    def run(self, link, flat: np.ndarray, op: ReduceOp, src: Optional[np.ndarray], sig: str,
+            wide: bool = True) -> np.ndarray:
+        """All-reduce into ``flat`` on the first path that takes it (the ring alone in a job of one);
+        ``wide`` as for ``AllReducePath.run``."""
         paths = self.paths if link is not None else (self._ring,)
         for path in paths:
-            if path.takes(flat, op, src is None) and path.run(link, flat, op, src, sig):
+            if path.takes(flat, op, src is None) and path.run(link, flat, op, src, sig, wide):
                 self.calls[path.name] = self.calls.get(path.name, 0) + 1
                 return flat
         raise AssertionError("the ring takes every all-reduce")  # pragma: no cover

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ... import config
+from ...core import compression as compression_mod
 from ...core import ring
 from ...core.ring import SINGLE
 from ...core.backend import Backend, BackendStats, Capabilities, register_backend
@@ -48,6 +49,8 @@ class HostStats(BackendStats):
       direct_allreduces: in-place all-reduces of shared arrays that read the peers' arrays where they are.
       cma_allreduces: all-reduces that read the peers' private arrays by cross-memory reads.
       cross_memory_bytes: the size from which all-reduces read the peers' arrays (0: never).
+      bytes_sent: the bytes this rank's ring links carried to its right neighbours (shared memory, raw
+        sockets or gRPC); the shared all-reduce buffers and direct reads of the peers' arrays are not links.
     """
 
     pending_messages: int = 0
@@ -59,6 +62,7 @@ class HostStats(BackendStats):
     direct_allreduces: int = 0
     cma_allreduces: int = 0
     cross_memory_bytes: int = 0
+    bytes_sent: int = 0
 
 
 class HostBackend(Backend):
@@ -84,6 +88,8 @@ class HostBackend(Backend):
         self._shared = shm_shared.SharedArrays(self.rank, self.size)
         self._planner = AllReducePlanner(self.layout, self._shared, self._chunk_elems)
         self._allreduce_sigs: dict = {}
+        self.collective_bytes = 0  # HostStats.collective_bytes
+        self.bytes_sent = 0        # HostStats.bytes_sent: CollectiveLink.send adds to it
         if self.size > 1:
             try:
                 self.layout.connect()
@@ -149,27 +155,16 @@ class HostBackend(Backend):
         return max(1, self.layout.chunk_bytes // max(np.dtype(dtype).itemsize, np.dtype(on_wire).itemsize))
 
     # -- collectives -----------------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, op: ReduceOp, timeout=None, out: Optional[np.ndarray] = None) -> np.ndarray:
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, timeout=None, out: Optional[np.ndarray] = None, *,
+                  compression: str = "none") -> np.ndarray:
         """``out`` (C-contiguous, same shape and dtype; may be ``buf``: in place) receives the result;
-        without it a new array does. ``buf`` itself is only read unless it is ``out``."""
-        key = (op, buf.dtype, buf.shape)
-        sig = self._allreduce_sigs.get(key)
-        if sig is None:  # formatting a dtype's name costs more than the small all-reduce's own bookkeeping
-            if len(self._allreduce_sigs) > 256:
-                self._allreduce_sigs.clear()
-            sig = self._allreduce_sigs[key] = f"allreduce op={op.value} dtype={buf.dtype} shape={tuple(buf.shape)}"
+        without it a new array does. ``buf`` itself is only read unless it is ``out``. With compression
+        (``core.compression``) a narrowed copy travels, its partial sums rounded to the wire dtype at
+        every ring step (``ring.allreduce(wide=False)``), and ``out`` receives it widened back."""
+        wire = compression_mod.wire_dtype(compression, buf.dtype, op)
+        sig = self._allreduce_sig(op, buf.dtype, buf.shape, wire)
         src = np.ascontiguousarray(buf).reshape(-1)
-        if out is None:
-            flat = np.empty_like(src)
-        else:
-            if (out.shape != buf.shape or out.dtype != buf.dtype or not out.flags.c_contiguous
-                    or not out.flags.writeable):
-                raise UnsupportedOperationError(
-                    f"out= must be a writeable C-contiguous array of shape {buf.shape} and dtype {buf.dtype}; "
-                    f"got shape {out.shape}, dtype {out.dtype}"
-                    + ("" if out.flags.writeable else ", read-only"), rank=self.rank,
-                    fix="pass out=np.empty_like(x) or out=x (in place, x writeable)")
-            flat = out.reshape(-1)
+        flat = np.empty_like(src) if out is None else self._out_array(buf, out)
         if flat is src or (out is not None and np.shares_memory(flat, src)):
             if flat.__array_interface__["data"][0] != src.__array_interface__["data"][0]:
                 raise UnsupportedOperationError(
@@ -177,8 +172,34 @@ class HostBackend(Backend):
                     "read values it has already overwritten", rank=self.rank,
                     fix="pass out=x (in place) or an array that does not overlap x")
             src = None  # in place
-        result = self.runner.run(sig, timeout, lambda link: self._planner.run(link, flat, op, src, sig))
+        if wire is not None:
+            narrow = (flat if src is None else src).astype(wire)
+            self.collective_bytes += narrow.nbytes
+            self.runner.run(sig, timeout, lambda link: self._planner.run(link, narrow, op, None, sig, wide=False))
+            flat[...] = narrow
+            result = flat
+        else:
+            self.collective_bytes += flat.nbytes
+            result = self.runner.run(sig, timeout, lambda link: self._planner.run(link, flat, op, src, sig))
         return out if out is not None else result.reshape(buf.shape)
+
+    def _allreduce_sig(self, op: ReduceOp, dtype, shape, wire) -> str:
+        key = (op, dtype, shape, wire)
+        sig = self._allreduce_sigs.get(key)
+        if sig is None:  # formatting a dtype's name costs more than the small all-reduce's own bookkeeping
+            if len(self._allreduce_sigs) > 256:
+                self._allreduce_sigs.clear()
+            sig = f"allreduce op={op.value} dtype={dtype} shape={tuple(shape)}" + (f" wire={wire}" if wire else "")
+            self._allreduce_sigs[key] = sig
+        return sig
+
+    def _out_array(self, buf: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if out.shape != buf.shape or out.dtype != buf.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+            raise UnsupportedOperationError(
+                f"out= must be a writeable C-contiguous array of shape {buf.shape} and dtype {buf.dtype}; "
+                f"got shape {out.shape}, dtype {out.dtype}" + ("" if out.flags.writeable else ", read-only"),
+                rank=self.rank, fix="pass out=np.empty_like(x) or out=x (in place, x writeable)")
+        return out.reshape(-1)
 
     def shared_empty(self, shape: Tuple[int, ...], dtype: np.dtype, timeout=None) -> np.ndarray:
         """A new array in shared memory that every rank of this host maps (``shm_shared``); a collective:
@@ -209,6 +230,7 @@ class HostBackend(Backend):
                                             rank=self.rank, fix="reshape the scalar to shape (1,)")
         sig = f"reduce_scatter op={op.value} dtype={buf.dtype} shape={tuple(buf.shape)}"
         flat = np.array(buf, copy=True, order="C").reshape(-1)
+        self.collective_bytes += flat.nbytes
         rows = buf.shape[0]
         row_elems = int(np.prod(buf.shape[1:], dtype=np.int64))
         ce = self._chunk_elems(buf.dtype, op)
@@ -223,6 +245,7 @@ class HostBackend(Backend):
     def broadcast(self, buf: np.ndarray, root: int, timeout=None) -> np.ndarray:
         sig = f"broadcast root={root} dtype={buf.dtype} shape={tuple(buf.shape)}"
         flat = np.array(buf, copy=True, order="C").reshape(-1)
+        self.collective_bytes += flat.nbytes
         ce = self._chunk_elems(buf.dtype)
 
         def body(link):
@@ -239,6 +262,7 @@ class HostBackend(Backend):
         out = np.empty(sum(elems), dtype=buf.dtype)
         off = sum(elems[:self.rank])
         out[off:off + elems[self.rank]] = buf.reshape(-1)
+        self.collective_bytes += buf.nbytes
         sig = f"allgather dtype={buf.dtype} trailing={trailing} rows={counts}"
         ce = self._chunk_elems(buf.dtype)
 
@@ -280,7 +304,8 @@ class HostBackend(Backend):
                          allreduces_by_path=dict(self._planner.calls), shared_arrays=self._shared.active,
                          direct_allreduces=direct.direct_calls if direct is not None else 0,
                          cross_memory_bytes=layout.cma_bytes,
-                         cma_allreduces=direct.cma_calls if direct is not None else 0)
+                         cma_allreduces=direct.cma_calls if direct is not None else 0,
+                         collective_bytes=self.collective_bytes, bytes_sent=self.bytes_sent)
 
     def quiesce(self) -> None:
         """Stop watching the peers (shutdown has begun: peers going away is expected now)."""

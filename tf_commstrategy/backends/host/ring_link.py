@@ -93,6 +93,7 @@ class CollectiveLink(RingLink):
                 "CommunicationOptions(timeout_seconds=...), TFCS_TIMEOUT)")
 
     def send(self, key, payload) -> None:
+        self._b.bytes_sent += len(payload)
         self._ring.stream.send_frame(self._seq, links.wire_step(self._rid, key[0]), key[1], self._sig, payload)
 
     def finish(self) -> None:

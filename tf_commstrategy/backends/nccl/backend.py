@@ -32,10 +32,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from ... import config
+from ...core import compression as compression_mod
 from ...core.backend import Backend, BackendStats, Capabilities
 from ...core.reduce_ops import ReduceOp
 from ...errors import CollectiveError, CollectiveMismatchError, TfcsError, UnsupportedOperationError
 from . import buffers as bufmod
+from .buffers import bf16_bits_from_f32
 from .communicator import SETTLE_S, Communicator, describe_nccl_error, is_remote_error
 from .types import nccl_dtype, nccl_op
 
@@ -46,24 +48,6 @@ def signature_hash(sig: str, seq: int) -> int:
     """A 62-bit hash of a call's signature and sequence number (equal on ranks making the same call)."""
     digest = hashlib.blake2b(f"{seq}|{sig}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
-
-
-def bf16_bits_from_f32(f32, xp):
-    """bfloat16 bits (uint16) of float32 values, rounded to nearest even; a NaN stays a (quiet) NaN.
-
-    Args:
-      f32: float32 array.
-      xp: its array module (cupy; numpy in tests).
-
-    Returns:
-      A uint16 array of the same shape.
-    """
-    bits = f32.view(xp.uint32)
-    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16
-    # rounding a NaN whose low 16 bits are set (CUDA's canonical NaN is 0x7FFFFFFF) would carry into
-    # the sign and exponent: 0x7FFFFFFF -> 0x8000 (-0.0). Keep it a NaN, with its sign.
-    nan = ((bits >> 16) & xp.uint32(0x8000)) | xp.uint32(0x7FC0)
-    return xp.where(xp.isnan(f32), nan, rounded).astype(xp.uint16)
 
 
 def _bf16_divide(u16, divisor: int) -> None:
@@ -190,6 +174,7 @@ class NcclBackend(Backend):
         self._comms: Dict[int, Communicator] = {}
         self._generation = 0
         self._seq = 0
+        self._bytes = 0  # BackendStats.collective_bytes
         self._lock = threading.Lock()
         self._failed: Optional[BaseException] = None
         self._checks = SignatureCheck(nccl, group)
@@ -274,18 +259,30 @@ class NcclBackend(Backend):
         return nccl_dtype(self._nccl, buf.dtype)
 
     # -- collectives -----------------------------------------------------------------------------
-    def allreduce(self, buf, op: ReduceOp, timeout=None):
+    def allreduce(self, buf, op: ReduceOp, timeout=None, *, compression: str = "none"):
         b, wrap = bufmod.to_device(buf)
-        return wrap(self._batch_allreduce([b], op, timeout)[0])
+        return wrap(self._compressed_allreduce([b], op, timeout, compression)[0])
 
-    def batch_allreduce(self, bufs: Sequence, op: ReduceOp, timeout=None) -> List:
+    def batch_allreduce(self, bufs: Sequence, op: ReduceOp, timeout=None, *, compression: str = "none") -> List:
         """All buffers in one ``ncclGroupStart/End`` (NCCL fuses their launches)."""
         if not bufs:
             return []
         bs, wraps = bufmod.to_devices(bufs)
-        return [w(r) for w, r in zip(wraps, self._batch_allreduce(bs, op, timeout))]
+        return [w(r) for w, r in zip(wraps, self._compressed_allreduce(bs, op, timeout, compression))]
+
+    def _compressed_allreduce(self, bs: List[bufmod.DeviceBuffer], op: ReduceOp, timeout,
+                              compression: str) -> List[bufmod.DeviceBuffer]:
+        """``_batch_allreduce``, with the buffers that compression narrows (``core.compression``) moved as
+        float16 / bfloat16 (NCCL adds them in that dtype along its ring) and widened back."""
+        wires = [compression_mod.wire_dtype(compression, b.dtype, op) for b in bs]
+        if not any(w is not None for w in wires):
+            return self._batch_allreduce(bs, op, timeout)
+        moved = [b if w is None else bufmod.narrowed(b, w) for b, w in zip(bs, wires)]
+        reduced = self._batch_allreduce(moved, op, timeout)
+        return [r if w is None else bufmod.widened(r, b) for r, b, w in zip(reduced, bs, wires)]
 
     def _batch_allreduce(self, bs: List[bufmod.DeviceBuffer], op: ReduceOp, timeout) -> List[bufmod.DeviceBuffer]:
+        self._bytes += sum(int(b.array.nbytes) for b in bs)
         codes = [(self._dt(b), nccl_op(self._nccl, op, b.dtype)) for b in bs]
         sig = f"allreduce op={op.value} " + " ".join(f"{b.dtype}{list(b.shape)}" for b in bs)
         nccl = self._nccl
@@ -316,6 +313,7 @@ class NcclBackend(Backend):
         return [w(r) for w, r in zip(wraps, self._batch_broadcast(bs, root, timeout))]
 
     def _batch_broadcast(self, bs, root: int, timeout):
+        self._bytes += sum(int(b.array.nbytes) for b in bs)
         codes = [self._dt(b) for b in bs]
         sig = f"broadcast root={root} " + " ".join(f"{b.dtype}{list(b.shape)}" for b in bs)
         nccl = self._nccl
@@ -335,6 +333,7 @@ class NcclBackend(Backend):
     def allgather(self, buf, timeout=None):
         import cupy
         b, wrap = bufmod.to_device(buf)
+        self._bytes += int(b.array.nbytes)
         if b.array.ndim == 0:
             b = bufmod.DeviceBuffer(b.array.reshape(1), b.dtype)
         dt = self._dt(b)
@@ -371,6 +370,7 @@ class NcclBackend(Backend):
 
     def reduce_scatter(self, buf, op: ReduceOp, timeout=None):
         b, wrap = bufmod.to_device(buf)
+        self._bytes += int(b.array.nbytes)
         if b.array.ndim == 0:
             raise UnsupportedOperationError("reduce_scatter needs at least one dimension to split",
                                             rank=self.rank, fix="reshape the scalar to shape (1,)")
@@ -415,7 +415,7 @@ class NcclBackend(Backend):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def stats(self) -> BackendStats:
-        return BackendStats(collectives=self._seq)
+        return BackendStats(collectives=self._seq, collective_bytes=self._bytes)
 
     def abort(self, error: BaseException) -> None:
         if self._failed is None:

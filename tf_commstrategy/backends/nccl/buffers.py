@@ -127,3 +127,41 @@ def to_devices(xs: Sequence) -> Tuple[List[DeviceBuffer], List[Callable]]:
         raise UnsupportedOperationError(
             f"one nccl call got buffers on GPUs {devices}", fix="put every buffer of one call on the same GPU")
     return bufs, [p[1] for p in pairs]
+
+
+def bf16_bits_from_f32(f32, xp):
+    """bfloat16 bits (uint16) of float32 values, rounded to nearest even; a NaN stays a (quiet) NaN.
+
+    Args:
+      f32: float32 array.
+      xp: its array module (cupy; numpy in tests).
+
+    Returns:
+      A uint16 array of the same shape.
+    """
+    bits = f32.view(xp.uint32)
+    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16
+    # rounding a NaN whose low 16 bits are set (CUDA's canonical NaN is 0x7FFFFFFF) would carry into
+    # the sign and exponent: 0x7FFFFFFF -> 0x8000 (-0.0). Keep it a NaN, with its sign.
+    nan = ((bits >> 16) & xp.uint32(0x8000)) | xp.uint32(0x7FC0)
+    return xp.where(xp.isnan(f32), nan, rounded).astype(xp.uint16)
+
+
+def narrowed(b: DeviceBuffer, wire) -> DeviceBuffer:
+    """A new buffer holding ``b``'s floating values rounded to ``wire`` (numpy float16 or bfloat16; bfloat16
+    is held in uint16, rounded to nearest even), for a compressed all-reduce (``core.compression``)."""
+    import cupy
+    with b.array.device:
+        if str(wire) == "bfloat16":
+            return DeviceBuffer(bf16_bits_from_f32(b.array.astype(cupy.float32), cupy), "bfloat16")
+        return DeviceBuffer(b.array.astype(cupy.float16), "float16")
+
+
+def widened(r: DeviceBuffer, like: DeviceBuffer) -> DeviceBuffer:
+    """The result ``r`` of a compressed all-reduce, converted back to the dtype of ``like``."""
+    import cupy
+    with r.array.device:
+        arr = r.array
+        if r.dtype == "bfloat16":
+            arr = (arr.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+        return DeviceBuffer(arr.astype(like.array.dtype), like.dtype)
