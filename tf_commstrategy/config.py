@@ -20,6 +20,7 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
 DEFAULT_CHUNK_BYTES = 1 << 20      # ring pipelining unit over gRPC: large enough to amortise a message's cost
 DEFAULT_SHM_CHUNK_BYTES = 1 << 20     # ... through shared memory (rings of 4 frames stay small in /dev/shm)
 DEFAULT_SOCKET_CHUNK_BYTES = 1 << 20  # ... over raw sockets, every rank with a core of its own: short chunks
+TCP_CONNECT_S = 10.0  # a raw TCP link between hosts that is not open by then (a firewall) takes gRPC instead
                                       # keep the pipeline full (sending overlaps reducing)
 CROWDED_SOCKET_CHUNK_BYTES = 4 << 20  # ... when some host has more ranks than cores: fewer, longer chunks
                                       # mean fewer context switches between the ranks sharing a core
@@ -564,8 +565,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting(("TFCS_RENDEZVOUS_TIMEOUT",), "how long to wait for the coordinator and the other workers, seconds",
             "300"),
     Setting(("TFCS_TRANSPORT",),
-            "data path under the ring: `auto` (shared memory between ranks on one host, gRPC between hosts), "
-            "`shm`, `unix`, `tcp` (raw TCP on every link, same-host ones included; opt-in between hosts), "
+            "data path under the ring: `auto` (shared memory between ranks on one host; raw TCP between hosts, "
+            "gRPC with TLS or where TCP cannot connect), `shm`, `unix`, `tcp` (raw TCP on every link, same-host "
+            "ones included), "
             "`grpc` (always possible); also `tfcs-run --transport`, `tfcs.init(transport=...)`, "
             "`CommStrategy(transport=...)`", "`auto`"),
     Setting(("TFCS_COMPRESSION",),

@@ -42,8 +42,8 @@ def init(rank: Optional[int] = None, world_size: Optional[int] = None, *, local_
         else all interfaces and the address that routes to the coordinator).
       token: the per-job secret every RPC must carry (``TFCS_TOKEN``; tfcs-run generates one).
       transport: the ring's data path, "auto" | "shm" | "unix" | "tcp" | "grpc" (``TFCS_TRANSPORT``; "auto":
-        shared memory between ranks on one host (Unix sockets where it cannot be used), gRPC between
-        hosts; "tcp": raw TCP on every link, opt-in).
+        shared memory between ranks on one host (Unix sockets where it cannot be used), raw TCP between
+        hosts (gRPC with TLS, or where a TCP connection cannot be opened); "tcp": raw TCP on every link).
       tls_cert / tls_key / tls_ca: PEM files for mutual TLS on every gRPC port of the job: this worker's
         certificate and key, and the CA that signed every worker's certificate (``TFCS_TLS_CERT`` /
         ``TFCS_TLS_KEY`` / ``TFCS_TLS_CA``; all three or none). See docs/fault_tolerance.md.

@@ -1,8 +1,8 @@
 """Multi-host runs on one machine: every "host" is a network namespace with its own address and hostname.
 
-* model.fit under CommStrategy on 3 hosts (one rank each): the ring goes over gRPC between hosts,
+* model.fit under CommStrategy on 3 hosts (one rank each): the ring goes over raw TCP between hosts,
   every worker ends with the same weights, equal to one process trained on the global batch;
-* 2 hosts x 2 ranks: a mixed ring (Unix sockets inside a host, gRPC between hosts), direct-API
+* 2 hosts x 2 ranks: a mixed ring (Unix sockets inside a host, raw TCP between hosts), direct-API
   collectives equal to numpy;
 * a host's link goes down in the middle of a loop of all-reduces: the survivors must raise a
   tf_commstrategy error within 15 s (measured; written to $TFCS_NETNS_REPORT as JSON when set).
@@ -154,11 +154,11 @@ def test_fit_three_hosts_matches_single_process(make_hosts, tmp_path):
         assert info["hostname"] == hosts.hostnames[w.host]
         assert (info["local_rank"], info["local_size"]) == (0, 1), info
         assert info["advertise_host"] == hosts.addresses[w.host]
-        # every ring link joins two hosts: it must be gRPC, in the log line and in the backend
-        assert info["transport"] == "grpc", info
+        # every ring link joins two hosts: raw TCP (no TLS), in the log line and in the backend
+        assert info["transport"] == "tcp", info
         npz = np.load(os.path.join(out, f"fit-{w.rank}.npz"))
         results.append([npz[f"arr_{i}"] for i in range(len(npz.files))])
-    assert job_links(workers, 3, 3) == {"ring": {(0, 1): "grpc", (1, 2): "grpc", (2, 0): "grpc"}}
+    assert job_links(workers, 3, 3) == {"ring": {(0, 1): "tcp", (1, 2): "tcp", (2, 0): "tcp"}}
     for r in (1, 2):  # identical on every worker
         for i, (a, b) in enumerate(zip(results[0], results[r])):
             np.testing.assert_array_equal(a, b, err_msg=f"weight {i}: rank {r} differs from rank 0")
@@ -182,9 +182,9 @@ def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path, p
                         extra_env={"TFCS_HIERARCHICAL": hierarchical, "TFCS_TRANSPORT": transport})
     wait_all(workers, timeout=150)
     size = len(placement)
-    # rank -> its link to rank + 1: unix inside a host, grpc between hosts; raw TCP everywhere when asked
+    # rank -> its link to rank + 1: unix inside a host, raw TCP between hosts; raw TCP everywhere when asked
     expected_links = {r: "tcp" if transport == "tcp" else "unix" if placement[r] == placement[(r + 1) % size]
-                      else "grpc" for r in range(size)}
+                      else "tcp" for r in range(size)}
     groups = [[r for r in range(size) if placement[r] == h] for h in sorted(set(placement))]
     leaders = [g[0] for g in sorted(groups)]
     for w in workers:
@@ -209,7 +209,7 @@ def test_collectives_two_hosts_two_ranks_each_mixed_ring(make_hosts, tmp_path, p
     if hierarchical == "1":  # a host ring within each host, a leader ring among the hosts' first ranks
         local = "tcp" if transport == "tcp" else "unix"
         want["host rings"] = {(g[i], g[(i + 1) % len(g)]): local for g in groups if len(g) > 1 for i in range(len(g))}
-        remote = "tcp" if transport == "tcp" else "grpc"
+        remote = "tcp"
         want["leader ring"] = {(leaders[i], leaders[(i + 1) % len(leaders)]): remote for i in range(len(leaders))}
     assert job_links(workers, size, len(groups)) == want
 
@@ -291,14 +291,36 @@ def test_link_down_is_detected_by_survivors_within_15s(make_hosts, tmp_path, pha
 
 # -- hosts that share a hostname but not a network ----------------------------------------------------------
 @pytest.mark.timeout(120)
-def test_same_hostname_different_network_namespaces_uses_grpc(make_hosts, tmp_path):
+def test_same_hostname_different_network_namespaces_are_different_hosts(make_hosts, tmp_path):
     hosts = make_hosts(2, own_hostnames=False)
     out = str(tmp_path)
     workers = start_job(hosts, [0, 1], "collectives", out)
     wait_all(workers, timeout=90)
     for w in workers:
         info = json.load(open(os.path.join(out, f"coll-{w.rank}.json")))
-        assert info["transport"] == "grpc", info
+        assert info["transport"] == "tcp", info
         got = np.load(os.path.join(out, f"coll-{w.rank}.npz"))
         for key, want in WK.expected_collectives(w.rank, 2).items():
             np.testing.assert_allclose(got[key], want, rtol=1e-2, atol=1e-2, err_msg=f"rank {w.rank} {key}")
+
+
+# -- a raw TCP link that cannot be opened falls back to gRPC ----------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_raw_tcp_link_that_cannot_connect_takes_grpc_and_says_so(make_hosts, tmp_path):
+    """Rank 1's raw TCP connects are refused (workers.py --refuse-raw-tcp: what a firewall's REJECT gives,
+    in that process only): its link to rank 0 takes gRPC with one WARNING naming the pair, rank 0's link to
+    rank 1 stays raw TCP, and the collectives equal numpy."""
+    hosts = make_hosts(2)
+    out = str(tmp_path)
+    workers = start_job(hosts, [0, 1], "collectives", out, args=("--refuse-raw-tcp", "1"))
+    wait_all(workers, timeout=90)
+    for w in workers:
+        info = json.load(open(os.path.join(out, f"coll-{w.rank}.json")))
+        assert info["transport"] == ("grpc" if w.rank == 1 else "tcp"), info
+        got = np.load(os.path.join(out, f"coll-{w.rank}.npz"))
+        for key, want in WK.expected_collectives(w.rank, 2).items():
+            np.testing.assert_allclose(got[key], want, rtol=1e-2, atol=1e-2, err_msg=f"rank {w.rank} {key}")
+    warned = [line for line in workers[1].output().splitlines() if "no raw TCP data connection to rank 0" in line]
+    assert len(warned) == 1 and "WARNING" in warned[0] and "uses gRPC instead" in warned[0], warned
+    assert "no raw TCP data connection" not in workers[0].output()
+    assert job_links(workers, 2, 2) == {"ring": {(0, 1): "tcp", (1, 0): "grpc"}}

@@ -245,6 +245,16 @@ def fitloop(out: str, max_seconds: float) -> None:
     sys.exit(2)
 
 
+def _refuse_raw_tcp() -> None:
+    """This process's raw TCP data connections are refused at connect, as a firewall that opens only the
+    gRPC port would refuse them (gRPC and the coordinator connect through grpcio, untouched)."""
+    from tf_commstrategy.backends.host import socket_transport
+
+    def refused(address, timeout):
+        raise ConnectionRefusedError(111, f"Connection refused (a firewall in front of {address})")
+    socket_transport._connect = refused
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("kind", choices=["fit", "reference", "collectives", "loop", "fitloop"])
@@ -253,7 +263,11 @@ def main(argv=None) -> None:
     p.add_argument("--idle-after", type=int, default=0)
     p.add_argument("--idle-sleep", type=float, default=0.0)
     p.add_argument("--idle-ranks", default="", help="comma-separated ranks (default: all)")
+    p.add_argument("--refuse-raw-tcp", default="", help="comma-separated ranks whose raw TCP connects are "
+                                                        "refused, as by a firewall's REJECT")
     a = p.parse_args(argv)
+    if a.refuse_raw_tcp and os.environ.get("TFCS_RANK") in a.refuse_raw_tcp.split(","):
+        _refuse_raw_tcp()
     if a.kind == "loop":
         idle_ranks = {int(r) for r in a.idle_ranks.split(",")} if a.idle_ranks else None
         loop(a.out, a.max_seconds, a.idle_after, a.idle_sleep, idle_ranks)

@@ -181,3 +181,38 @@ def test_a_short_chunk_names_job_ranks_and_the_collective():
     e = info.value
     assert (e.rank, e.remote_rank, e.seq) == (6, 4, 17)
     assert "from rank 4" in str(e) and "collective #17" in str(e)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("wire,unit", [(np.float16, 2.0 ** -11), (ml_dtypes.bfloat16, 2.0 ** -8)])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+@pytest.mark.parametrize("small", [0, 1 << 20])
+def test_compressed_allreduce_travels_narrow_within_its_rounding_bound(size, wire, unit, op, small):
+    """Every chunk crosses the link as ``wire`` (half the float32 bytes), the result holds wire values,
+    identical on every rank, within (2W - 1) roundings of the sum of magnitudes (W + 1 for a mean's
+    division); out of place reads ``src`` only."""
+    n = 37
+    rng = np.random.default_rng(size)
+    inputs = [(rng.standard_normal(n) * 50).astype(np.float32) for _ in range(size)]
+    sizes = []
+
+    def body(link):
+        send = link.send
+        link.send = lambda key, payload: sizes.append(len(payload)) or send(key, payload)
+        src = inputs[link.rank].copy()
+        out = ring.allreduce(link, np.empty(n, np.float32), op, 4, small_bytes=small, src=src, wire=np.dtype(wire))
+        np.testing.assert_array_equal(src, inputs[link.rank])
+        return out
+    out, _ = run_ring(size, body)
+    ref = np.sum(np.stack(inputs).astype(np.float64), axis=0)
+    bound = (2 * size - 1 + (op is ReduceOp.MEAN)) * unit * np.abs(np.stack(inputs)).sum(axis=0)
+    if op is ReduceOp.MEAN:
+        ref, bound = ref / size, bound / size
+    for r in range(size):
+        assert out[r].dtype == np.float32
+        np.testing.assert_array_equal(out[r], out[0])
+        np.testing.assert_array_equal(out[r].astype(wire).astype(np.float32), out[r])
+        assert (np.abs(out[r] - ref) <= bound).all(), (r, float(np.abs(out[r] - ref).max()))
+    assert sizes and all(s % np.dtype(wire).itemsize == 0 and s <= 4 * np.dtype(wire).itemsize or small
+                         for s in sizes), sizes
+    assert sum(sizes) == (size * (size - 1) * n * 2 if small else 2 * (size - 1) * n * 2), sum(sizes)

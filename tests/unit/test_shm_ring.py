@@ -229,7 +229,7 @@ def test_links_opened_before_a_failure_while_connecting_are_closed(monkeypatch):
         def get(self, key, timeout):
             raise RendezvousError(f"key {key!r} did not appear")
 
-    monkeypatch.setattr(L, "link_kinds", lambda w, members, requested: ["shm", "tcp"])
+    monkeypatch.setattr(L, "link_kinds", lambda w, members, requested, tls=False: ["shm", "tcp"])
     monkeypatch.setattr(L.shm_transport, "ShmLinks", FakeShm)
     worker = SimpleNamespace(host_key="h", pid=1)
     backend = SimpleNamespace(rank=1, group=SimpleNamespace(workers=[worker, worker], store=Store(), token=None,

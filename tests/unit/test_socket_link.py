@@ -365,3 +365,17 @@ def test_unix_sockets_get_the_largest_buffer_the_kernel_allows(monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def test_the_data_path_of_a_pair_of_ranks():
+    from tf_commstrategy.backends.host.socket_transport import choose
+    for requested in ("auto", "shm"):
+        assert choose(requested, same_host=True, same_memory=True) == "shm"
+        assert choose(requested, same_host=True, same_memory=False) == "unix"
+        assert choose(requested, same_host=False) == "tcp"  # raw TCP between hosts by default
+        assert choose(requested, same_host=False, tls=True) == "grpc"  # gRPC carries TLS
+    assert choose("unix", same_host=True, same_memory=True) == "unix"
+    assert choose("unix", same_host=False) == "tcp" and choose("unix", same_host=False, tls=True) == "grpc"
+    for kept in ("tcp", "grpc"):  # asked for: on every link, same-host ones too
+        assert choose(kept, same_host=True, same_memory=True) == kept
+        assert choose(kept, same_host=False, tls=True) == kept

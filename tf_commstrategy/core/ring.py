@@ -238,8 +238,50 @@ def _allreduce_wide(link, flat: np.ndarray, op: ReduceOp, chunks: Sequence, boun
     return flat
 
 
+def _allreduce_narrow(link, flat: np.ndarray, op: ReduceOp, wire: np.dtype, chunks: Sequence,
+                      bounds: Sequence[int], src: Optional[np.ndarray]) -> np.ndarray:
+    """The ring all-reduce of ``allreduce`` for a compressed SUM / MEAN (``wire``: float16 or bfloat16).
+
+    Chunk by chunk, so the conversions overlap the link: this rank's values are narrowed as they are
+    sent, each incoming partial sum is widened, added to this rank's values in the buffer's own dtype
+    and narrowed again before it goes on; this rank's reduced segment is narrowed once (after a MEAN's
+    division) and the all-gather half moves the narrow values, each chunk widened into ``flat`` as it
+    arrives.
+    """
+    W, r = link.size, link.rank
+    own = flat if src is None else src
+    gathered = np.empty(flat.size, dtype=wire)
+    for c, (a, b) in enumerate(chunks[(r - 1) % W]):
+        link.send((0, c), _as_bytes(own[a:b].astype(wire)))
+    for s in range(W - 1):
+        seg = (r - s - 2) % W
+        last = s == W - 2
+        for c, (a, b) in enumerate(chunks[seg]):
+            acc = _incoming(link, (s, c), wire, b - a).astype(flat.dtype)
+            acc += own[a:b]
+            if last:
+                if op is ReduceOp.MEAN:
+                    finish_mean(acc, W)
+                gathered[a:b] = acc
+            else:
+                link.send((s + 1, c), _as_bytes(acc.astype(wire)))
+    for c, (a, b) in enumerate(chunks[r]):
+        link.send((W - 1, c), _as_bytes(gathered[a:b]))
+        flat[a:b] = gathered[a:b]
+    for t in range(W - 1):
+        for c, (a, b) in enumerate(chunks[(r - t - 1) % W]):
+            dst = gathered[a:b]
+            incoming = _incoming(link, (W - 1 + t, c), wire, b - a, into=dst)
+            if incoming.size and incoming.ctypes.data != dst.ctypes.data:  # not read in place: copy
+                dst[...] = incoming
+            if t < W - 2:
+                link.send((W + t, c), _as_bytes(dst))
+            flat[a:b] = dst
+    return flat
+
+
 def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_bytes: int = 0,
-              src: Optional[np.ndarray] = None, wide: bool = True) -> np.ndarray:
+              src: Optional[np.ndarray] = None, wide: bool = True, wire: Optional[np.dtype] = None) -> np.ndarray:
     """Ring all-reduce of a 1-D contiguous array; returns ``flat``.
 
     In place (``flat`` holds the input), or with ``src`` out of place: ``src`` is read, never written,
@@ -256,6 +298,10 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
     (a compressed all-reduce, ``core.compression``) the partials travel in the buffer's own dtype, each
     step's sum rounded to it: half the bytes of the reduce-scatter half, a rounding per step.
 
+    With ``wire`` (float16 or bfloat16; a compressed SUM / MEAN of a float32 / float64 ``flat``,
+    ``core.compression``) every chunk travels as ``wire``: added up in ``flat``'s dtype at each step and
+    rounded to ``wire`` before it goes on; the result is the ``wire`` values, the same on every rank.
+
     Args:
       link: the ring link (``rank``, ``size``, ``send``, ``recv``).
       flat: this rank's 1-D contiguous buffer; overwritten with the result.
@@ -264,6 +310,7 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
       small_bytes: threshold of the all-gather path (0: never).
       src: this rank's input when not ``flat`` (out of place).
       wide: float16 / bfloat16 partials travel as float32 (see above).
+      wire: the dtype a compressed all-reduce travels as (see above); ``chunk_elems`` counts its elements.
 
     Returns:
       ``flat``, holding the reduction over every rank.
@@ -280,11 +327,17 @@ def allreduce(link, flat: np.ndarray, op: ReduceOp, chunk_elems: int, small_byte
         if op is ReduceOp.MEAN:
             finish_mean(flat, W)
         return flat
+    if wire is not None and small_bytes > 0 and flat.size * wire.itemsize * (W - 1) <= small_bytes:
+        narrow = (flat if src is None else src).astype(wire)
+        flat[...] = allreduce_by_allgather(link, narrow, op, chunk_elems)
+        return flat
     if small_bytes > 0 and flat.nbytes * (W - 1) <= small_bytes:
         return allreduce_by_allgather(link, flat, op, chunk_elems)
     bounds = even_bounds(flat.size, W)
     cuts = sorted(set(getattr(flat, "cuts", ())) | set(getattr(src, "cuts", ())))
     chunks = [chunk_ranges(bounds[i], bounds[i + 1], chunk_elems, cuts) for i in range(W)]
+    if wire is not None:
+        return _allreduce_narrow(link, flat, op, np.dtype(wire), chunks, bounds, src)
     if wide:
         return _allreduce_wide(link, flat, op, chunks, bounds)
     if op is ReduceOp.MEAN:

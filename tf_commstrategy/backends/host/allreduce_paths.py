@@ -31,9 +31,16 @@ from .layout import DIRECT_ABOVE_BYTES, HostLayout
 
 
 class AllReducePath(Protocol):
-    """One all-reduce algorithm of the host backend."""
+    """One all-reduce algorithm of the host backend.
+
+    Attributes:
+      name: what ``HostStats.allreduces_by_path`` calls it.
+      narrows_chunks: it runs a compressed all-reduce on the float32 / float64 buffer itself, narrowing
+        chunk by chunk as they cross its links (the others get a narrowed copy; ``AllReducePlanner``).
+    """
 
     name: str
+    narrows_chunks: bool = False
 
     def takes(self, flat: np.ndarray, op: ReduceOp, in_place: bool) -> bool:
         """Whether this path runs an all-reduce of ``flat`` (job-wide facts only: every rank agrees)."""
@@ -46,6 +53,7 @@ class AllReducePath(Protocol):
 
 
 class DirectAllReduce:
+    narrows_chunks = False
     name = "direct"
 
     def __init__(self, layout: HostLayout, shared):
@@ -66,6 +74,7 @@ class DirectAllReduce:
 
 
 class SharedBuffersAllReduce:
+    narrows_chunks = False
     name = "shm-buffers"
 
     def __init__(self, layout: HostLayout):
@@ -82,6 +91,7 @@ class SharedBuffersAllReduce:
 
 
 class HierarchicalAllReduce:
+    narrows_chunks = False
     name = "hierarchical"
 
     def __init__(self, layout: HostLayout, chunk_elems):
@@ -115,6 +125,7 @@ class HierarchicalAllReduce:
 
 class RingAllReduce:
     name = "ring"
+    narrows_chunks = True
 
     def __init__(self, layout: HostLayout, chunk_elems):
         self._layout, self._chunk_elems = layout, chunk_elems
@@ -122,9 +133,10 @@ class RingAllReduce:
     def takes(self, flat, op, in_place) -> bool:
         return True
 
-    def run(self, link, flat, op, src, sig, wide) -> bool:
-        ring.allreduce(link or SINGLE, flat, op, self._chunk_elems(flat.dtype, op if wide else None),
-                       self._layout.small_bytes, src=src, wide=wide)
+    def run(self, link, flat, op, src, sig, wide, wire=None) -> bool:
+        """``wire``: a compressed call's dtype on the links (``flat`` stays float32 / float64)."""
+        ce = self._chunk_elems(wire) if wire is not None else self._chunk_elems(flat.dtype, op if wide else None)
+        ring.allreduce(link or SINGLE, flat, op, ce, self._layout.small_bytes, src=src, wide=wide, wire=wire)
         return True
 
 
@@ -144,12 +156,26 @@ class AllReducePlanner:
         self.calls: Dict[str, int] = {}
 
     def run(self, link, flat: np.ndarray, op: ReduceOp, src: Optional[np.ndarray], sig: str,
-            wide: bool = True) -> np.ndarray:
-        """All-reduce into ``flat`` on the first path that takes it (the ring alone in a job of one);
-        ``wide`` as for ``AllReducePath.run``."""
+            wire: Optional[np.dtype] = None) -> np.ndarray:
+        """All-reduce into ``flat`` on the first path that takes it (the ring alone in a job of one).
+
+        ``wire``: a compressed call (``core.compression``): the ring narrows chunk by chunk; the other
+        paths reduce a narrowed copy, its partial sums in the narrow dtype where they cross a link."""
         paths = self.paths if link is not None else (self._ring,)
         for path in paths:
-            if path.takes(flat, op, src is None) and path.run(link, flat, op, src, sig, wide):
+            if path.takes(flat, op, src is None) and self._run(path, link, flat, op, src, sig, wire):
                 self.calls[path.name] = self.calls.get(path.name, 0) + 1
                 return flat
         raise AssertionError("the ring takes every all-reduce")  # pragma: no cover
+
+    @staticmethod
+    def _run(path: AllReducePath, link, flat, op, src, sig, wire) -> bool:
+        if wire is None:
+            return path.run(link, flat, op, src, sig, True)
+        if path.narrows_chunks:
+            return path.run(link, flat, op, src, sig, False, wire=wire)
+        narrow = (flat if src is None else src).astype(wire)
+        if not path.run(link, narrow, op, None, sig, False):
+            return False
+        flat[...] = narrow
+        return True

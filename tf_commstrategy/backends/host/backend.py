@@ -159,8 +159,8 @@ class HostBackend(Backend):
                   compression: str = "none") -> np.ndarray:
         """``out`` (C-contiguous, same shape and dtype; may be ``buf``: in place) receives the result;
         without it a new array does. ``buf`` itself is only read unless it is ``out``. With compression
-        (``core.compression``) a narrowed copy travels, its partial sums rounded to the wire dtype at
-        every ring step (``ring.allreduce(wide=False)``), and ``out`` receives it widened back."""
+        (``core.compression``) the values travel narrowed, their partial sums rounded to the wire dtype
+        at every ring step, and ``out`` receives the result widened back (``AllReducePlanner.run``)."""
         wire = compression_mod.wire_dtype(compression, buf.dtype, op)
         sig = self._allreduce_sig(op, buf.dtype, buf.shape, wire)
         src = np.ascontiguousarray(buf).reshape(-1)
@@ -172,15 +172,8 @@ class HostBackend(Backend):
                     "read values it has already overwritten", rank=self.rank,
                     fix="pass out=x (in place) or an array that does not overlap x")
             src = None  # in place
-        if wire is not None:
-            narrow = (flat if src is None else src).astype(wire)
-            self.collective_bytes += narrow.nbytes
-            self.runner.run(sig, timeout, lambda link: self._planner.run(link, narrow, op, None, sig, wide=False))
-            flat[...] = narrow
-            result = flat
-        else:
-            self.collective_bytes += flat.nbytes
-            result = self.runner.run(sig, timeout, lambda link: self._planner.run(link, flat, op, src, sig))
+        self.collective_bytes += flat.size * (wire or flat.dtype).itemsize
+        result = self.runner.run(sig, timeout, lambda link: self._planner.run(link, flat, op, src, sig, wire))
         return out if out is not None else result.reshape(buf.shape)
 
     def _allreduce_sig(self, op: ReduceOp, dtype, shape, wire) -> str:

@@ -80,7 +80,7 @@ class HostLayout:
                                            b.mailbox, b.peers.describe, progress=b.progress, tls=g.tls)
         g.store.set(f"grpc/addr/{self.rank}", join_host_port(g.advertise_host, self.server.port))
         requested = config.parse_transport(g.transport)
-        kinds = links.link_kinds(g.workers, list(range(self.size)), requested)
+        kinds = links.link_kinds(g.workers, list(range(self.size)), requested, tls=g.tls is not None)
         self.planned_kinds = frozenset(kinds)
         self.all_shm = all(k == "shm" for k in kinds)
         self._choose_sizes(kinds)

@@ -6,8 +6,11 @@ ring has an id that namespaces its frames (``wire_step``) and its setup keys in 
 rings share the rank's receive side (mailbox, data servers) without mixing their messages.
 
 The data path of each neighbour pair follows ``socket_transport.choose``: shared memory when the
-two share a host's memory, else Unix sockets on one host, gRPC (or opt-in TCP) between hosts; the
-choice is computed from the rendezvous' worker facts only, so both ends always agree.
+two share a host's memory, else Unix sockets on one host, raw TCP between hosts (gRPC with TLS); the
+choice is computed from the rendezvous' worker facts only, so both ends always agree. A raw TCP link
+that ``choose`` picked and that cannot be opened within ``config.TCP_CONNECT_S`` (a firewall that
+opens only the gRPC port) falls back to gRPC: the sender publishes the route it took under
+``sock/route/<ring>/<rank>`` and the receiver reads it before it waits for a connection.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from __future__ import annotations
 import logging
 from typing import List, Optional
 
+from ... import config
 from ...core import shared_memory
+from ...errors import RendezvousError
 from . import setup_report, shm_transport, socket_transport, transport
 
 log = logging.getLogger("tf_commstrategy")
@@ -28,12 +33,12 @@ def wire_step(ring_id: int, step: int) -> int:
     return (ring_id << STEP_BITS) | step
 
 
-def link_kinds(workers, members: List[int], requested: str) -> List[str]:
+def link_kinds(workers, members: List[int], requested: str, tls: bool = False) -> List[str]:
     """The data path of each pair (members[i] -> members[i + 1]) of a ring, from the rendezvous'
-    worker facts only: every rank computes the same list."""
+    worker facts only: every rank computes the same list (``tls``: the job has TLS)."""
     n = len(members)
     pairs = [(workers[members[i]], workers[members[(i + 1) % n]]) for i in range(n)]
-    return [socket_transport.choose(requested, a.local_link_key == b.local_link_key, a.shm_key == b.shm_key)
+    return [socket_transport.choose(requested, a.local_link_key == b.local_link_key, a.shm_key == b.shm_key, tls)
             for a, b in pairs]
 
 
@@ -68,7 +73,7 @@ class RingLinks:
         """Open the links to both neighbours (a collective step of init); returns the outbound kind."""
         g = backend.group
         w = g.workers
-        kinds = link_kinds(w, self.members, requested)
+        kinds = link_kinds(w, self.members, requested, tls=g.tls is not None)
         inbound, outbound = kinds[(self.rank - 1) % self.size], kinds[self.rank]
         self.planned = outbound
         if "shm" in (inbound, outbound):
@@ -87,6 +92,8 @@ class RingLinks:
             backend.socket_server(inbound)  # publishes its address for the left neighbour
         if outbound == "shm":
             self.stream = self._shm.sender
+        elif outbound == "tcp" and requested != "tcp":  # chosen, not asked for: gRPC if it cannot be opened
+            outbound = self._tcp_or_grpc(backend, ring_id)
         elif outbound in ("unix", "tcp"):
             addr = g.store.get(f"sock/{outbound}/{self.right}", g.rendezvous_timeout)
             self.stream = socket_transport.SocketSender.connect(addr, g.token, self.right, backend.rank,
@@ -95,10 +102,31 @@ class RingLinks:
         else:
             self.stream = transport.PeerStream(backend.address_of(self.right), g.token, self.right, backend.rank,
                                                tls=g.tls, describe=backend.describe)
+        if inbound == "tcp" and requested != "tcp":  # the route the left neighbour took
+            inbound = g.store.get(f"sock/route/{ring_id}/{self.left}", g.rendezvous_timeout)
         if inbound in ("unix", "tcp"):  # the left neighbour connected to our server (or is about to)
             conn = backend.socket_server(inbound).take_connection(ring_id, self.left, g.rendezvous_timeout)
             self.inbound = socket_transport.SocketReceiver(conn, self.left, backend.rank, backend.describe, inbound)
         return outbound
+
+    def _tcp_or_grpc(self, backend, ring_id: int) -> str:
+        """Open the raw TCP link to the right neighbour, or gRPC when that fails within
+        ``config.TCP_CONNECT_S``; publishes the route taken for the neighbour and returns it."""
+        g = backend.group
+        addr = g.store.get(f"sock/tcp/{self.right}", g.rendezvous_timeout)
+        try:
+            self.stream = socket_transport.SocketSender.connect(addr, g.token, self.right, backend.rank,
+                                                                config.TCP_CONNECT_S, describe=backend.describe,
+                                                                ring_id=ring_id)
+            route = "tcp"
+        except RendezvousError as e:
+            log.warning("tf_commstrategy rank %d: no raw TCP data connection to rank %d (%s); this link uses gRPC "
+                        "instead (TFCS_TRANSPORT=grpc skips the attempt)", backend.rank, self.right, e)
+            self.stream = transport.PeerStream(backend.address_of(self.right), g.token, self.right, backend.rank,
+                                               tls=g.tls, describe=backend.describe)
+            route = "grpc"
+        g.store.set(f"sock/route/{ring_id}/{backend.rank}", route)
+        return route
 
     def shm_problem(self):
         """Why this rank's shared-memory links fell back to sockets (its own cause or a neighbour's), or None."""

@@ -1,4 +1,4 @@
-"""Raw-socket data path under the ring: Unix sockets between ranks on one host, opt-in TCP between hosts.
+"""Raw-socket data path under the ring: Unix sockets between ranks on one host, TCP between hosts.
 
 gRPC stays the control plane (rendezvous, abort, addresses); only the chunk stream to the right
 neighbour moves here, framed as on the gRPC path (``wire``) plus the payload length.
@@ -562,18 +562,21 @@ class SocketReceiver:
             pass
 
 
-def choose(requested: str, same_host: bool, same_memory: bool = False) -> str:
+def choose(requested: str, same_host: bool, same_memory: bool = False, tls: bool = False) -> str:
     """Data path between two ring neighbours.
 
     "auto": shared memory when they share a host's memory (same host and namespaces), else unix
-    sockets on one host, else grpc. "shm" and "unix" degrade the same way; "tcp" and "grpc" are kept.
+    sockets on one host, else raw TCP between hosts, or gRPC when the job has TLS (gRPC carries it;
+    raw TCP proves the token but does not encrypt). "shm" and "unix" degrade the same way; "tcp" and
+    "grpc" are kept. A raw TCP link chosen here falls back to gRPC when it cannot be opened
+    (``links.RingLinks``); one asked for ("tcp") does not.
     """
-    if requested in ("auto", "shm"):
-        if same_memory:
+    if requested in ("auto", "shm", "unix"):
+        if same_memory and requested != "unix":
             return "shm"
-        return "unix" if same_host else "grpc"
-    if requested == "unix" and not same_host:
-        return "grpc"
+        if same_host:
+            return "unix"
+        return "grpc" if tls else "tcp"
     return requested
 
 
