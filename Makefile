@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
 .PHONY: setup test test-bench test-slow test-netns test-engines test-ssh test-mpirun test-slurm engines demo bench bench-allreduce bench-allreduce-np4 \
-        bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths bench-faults bench-hvd docs clean settings-table
+        bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths bench-faults bench-hvd bench-link docs clean \
+        settings-table
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,7 +58,7 @@ demo: $(STAMP)
 # target one table; the JSON goes to bench-results/, the plots to docs/img/.
 SIZES := 8,4K,256K,4M,64M,256M
 BENCH := $(BIN)/tfcs-bench --interleave --rounds 4
-bench: bench-allreduce bench-allreduce-np4 bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths bench-hvd bench-faults
+bench: bench-allreduce bench-allreduce-np4 bench-allreduce-tcp bench-broadcast bench-allgather bench-fit bench-paths bench-hvd bench-faults bench-link
 
 bench-allreduce: $(STAMP)
 	$(BENCH) -np 2 --op allreduce --sizes $(SIZES) --compare tf-ring,gloo \
@@ -97,6 +98,14 @@ bench-paths: $(STAMP)
 # 1 Gbit/s shaped link (needs root; about 5 minutes).
 bench-faults: $(STAMP)
 	$(BIN)/python benchmarks/fault_detection.py --trials 10 --rate 1gbit --json bench-results/faults.json
+
+# All-reduce across 2 namespace hosts on a shaped link (1 and 10 Gbit/s), beside gloo in the same processes:
+# the default data path, gRPC, and compression (needs root and torch; about 15 minutes).
+bench-link: $(STAMP)
+	$(BIN)/python benchmarks/link_allreduce.py --rate 1gbit --configs default,grpc,fp16,bf16 \
+		--sizes 8,4K,256K,4M,64M,256M --json bench-results/link_1gbit.json
+	$(BIN)/python benchmarks/link_allreduce.py --rate 10gbit --configs default,fp16 \
+		--sizes 8,4K,256K,4M,64M,256M --json bench-results/link_10gbit.json
 
 # A Horovod-style script (tf_commstrategy.horovod.DistributedOptimizer, no strategy) beside CommStrategy and the
 # ceiling, in the same processes (tf_keras: DistributedOptimizer wraps tf_keras optimizers).

@@ -16,8 +16,8 @@ imported when first accessed.
 import importlib as _importlib
 
 from . import collectives as _collectives
-from .collectives import (allgather, allreduce, barrier, broadcast, grouped_allreduce, grouped_broadcast,
-                          reduce_scatter, shared_empty)
+from .collectives import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allreduce,
+                          grouped_broadcast, reduce_scatter, shared_empty)
 from .core.reduce_ops import ReduceOp
 from .errors import (BackendUnavailableError, CollectiveAbortedError, CollectiveError,
                      CollectiveMismatchError, CollectiveTimeoutError, ConfigurationError,
@@ -33,7 +33,7 @@ _collectives.register_tensor_loader("tensorflow", lambda: _importlib.import_modu
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "allreduce", "grouped_allreduce", "broadcast", "grouped_broadcast", "allgather", "reduce_scatter",
-    "barrier", "shared_empty", "ReduceOp",
+    "alltoall", "barrier", "shared_empty", "ReduceOp",
     "TfcsError", "ConfigurationError", "NotInitializedError", "RendezvousError", "CollectiveError",
     "CollectiveTimeoutError", "CollectiveMismatchError", "PeerLostError", "CollectiveAbortedError",
     "BackendUnavailableError", "UnsupportedOperationError",

@@ -40,6 +40,8 @@ class TensorHandler(Protocol):
 
     def reduce_scatter(self, x, op, *, backend: Optional[str], timeout: Optional[float]): ...
 
+    def alltoall(self, x, splits, *, backend: Optional[str], timeout: Optional[float]): ...
+
 
 _handlers: List[TensorHandler] = []
 _loaders: Dict[str, Callable[[], None]] = {}
@@ -357,6 +359,46 @@ def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optio
     b = _backend(backend, arr)
     a, back = _staged(b, arr)
     return back(b.reduce_scatter(a, op, timeout))
+
+
+def alltoall(x, splits=None, *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """Send rank d the ``splits[d]`` rows of ``x`` that follow the rows for the ranks before it, and
+    receive every rank's rows for this one (all-to-all along axis 0, as MPI's and Horovod's).
+
+    Args:
+      x: numpy array (or array-like), tf.Tensor, or cupy array, at least 1-D; trailing dimensions and
+        dtype equal on every rank, the first may differ.
+      splits: rows for each rank in rank order (a list, array or tensor of ints adding up to
+        ``x.shape[0]``); None: ``x.shape[0]`` divided evenly among the ranks (it must divide).
+      backend: "grpc" | "nccl" | "auto" for this call only (default: the group's backend).
+      timeout: deadline in seconds for this call (default: the group's, ``TFCS_TIMEOUT``).
+
+    Returns:
+      ``(received, received_splits)``: every rank's rows for this one, concatenated in rank order (of
+      the same type as ``x``), and how many rows came from each rank (a list of ints; an int32 tensor
+      for a tensor ``x``).
+
+    Raises:
+      UnsupportedOperationError: a scalar, bad ``splits``, or a backend without all-to-all.
+      ConfigurationError: unknown backend name.
+      NotInitializedError: ``tfcs.init()`` has not been called.
+      CollectiveMismatchError: ranks disagree on the call (dtype, trailing shape or order).
+      CollectiveTimeoutError: a peer did not deliver before the deadline.
+      PeerLostError: a peer died or its connection broke.
+      CollectiveAbortedError: another rank failed and aborted the group.
+    """
+    handler = _handler_for(x)
+    if handler is not None:
+        return handler.alltoall(x, splits, backend=backend, timeout=timeout)
+    arr = _as_array(x, "alltoall")
+    _check(arr)
+    b = _backend(backend, arr)
+    a, back = _staged(b, arr)
+    if splits is not None and _is_device_array(splits):
+        splits = to_host(splits)[0]
+    counts = None if splits is None else [int(c) for c in np.asarray(splits).reshape(-1)]
+    received, received_splits = b.alltoall(a, counts, timeout)
+    return back(received), received_splits
 
 
 def barrier(*, backend: Optional[str] = None, timeout: Optional[float] = None) -> None:

@@ -106,7 +106,7 @@ class _Event:
         return not self._pending
 
 
-_state = {"hung": False, "depth": 0, "queue": [], "cupy_major": 13}
+_state = {"hung": False, "depth": 0, "queue": [], "p2p": [], "cupy_major": 13}
 
 
 class NcclCommunicator:
@@ -182,6 +182,30 @@ class NcclCommunicator:
             _view(recv, count, _DT[dt])[:] = full[self._rank * count:(self._rank + 1) * count]
         self._submit(run, (3, count, dt, op))
 
+    # point to point: queued inside a group, run at its end as one all-to-all of bytes over the grpc ring
+    def send(self, buf, count, dt, peer, stream):
+        _state["p2p"].append((self, "send", buf, count, dt, peer))
+
+    def recv(self, buf, count, dt, peer, stream):
+        _state["p2p"].append((self, "recv", buf, count, dt, peer))
+
+    def _exchange(self, ops):
+        sends = {peer: _view(buf, count, _DT[dt]).view(np.uint8) for _, kind, buf, count, dt, peer in ops
+                 if kind == "send"}
+        recvs = {peer: (buf, count, dt) for _, kind, buf, count, dt, peer in ops if kind == "recv"}
+        payload = np.concatenate([sends.get(p, np.empty(0, np.uint8)) for p in range(self._size)])
+        got, got_splits = self._grpc.alltoall(payload, [sends[p].size if p in sends else 0
+                                                        for p in range(self._size)])
+        off = 0
+        for p, n in enumerate(got_splits):
+            if p in recvs:
+                buf, count, dt = recvs[p]
+                want = _view(buf, count, _DT[dt]).view(np.uint8)
+                if n != want.size:  # NCCL would hang or corrupt data; the fake says so
+                    raise NcclError(f"recv of {want.size} bytes from rank {p}, which sent {n}")
+                want[:] = got[off:off + n]
+            off += n
+
     def check_async_error(self):
         if 0 <= self._err_at < self._count:
             raise NcclError("NCCL_ERROR_REMOTE_ERROR: injected asynchronous error")
@@ -207,6 +231,10 @@ def _group_end():
         queue, _state["queue"] = _state["queue"], []
         for fn in queue:
             fn()
+        p2p, _state["p2p"] = _state["p2p"], []
+        if p2p:
+            comm = p2p[0][0]
+            comm._submit(lambda: comm._exchange(p2p), (4, len(p2p), 0, 0))
 
 
 def install():

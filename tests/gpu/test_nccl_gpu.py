@@ -78,6 +78,12 @@ def w_movement(rank, size, seed):
     r["rs_sum"] = tfcs.reduce_scatter(cupy.asarray(rs_in), "sum", backend="nccl").get()
     grads = [cupy.asarray(np.full((3,), rank + 1.0, np.float32)), cupy.asarray(np.full((2, 2), rank, np.int32))]
     r["grouped"] = [g.get() for g in tfcs.grouped_allreduce(grads, "sum", backend="nccl")]
+    # all-to-all: rank o sends rank d (o + d) % 3 rows of (o, d, row); compression halves the bytes
+    sp = [(rank + d) % 3 for d in range(size)]
+    rows = np.array([[rank, d, i] for d in range(size) for i in range(sp[d])], dtype=np.float32).reshape(-1, 3)
+    got, got_splits = tfcs.alltoall(cupy.asarray(rows), sp, backend="nccl")
+    r["alltoall"] = (got.get(), got_splits)
+    r["fp16"] = tfcs.allreduce(cupy.asarray(xs[rank]), "sum", backend="nccl", compression="fp16").get()
     tfcs.barrier(backend="nccl")
     # stream ordering: the producer and the collective on a non-default stream, read right after
     s = cupy.cuda.Stream(non_blocking=True)
@@ -124,6 +130,12 @@ def test_broadcast_allgather_reduce_scatter_grouped_barrier_streams_and_refusals
         np.testing.assert_array_equal(r["rs_sum"], np.array_split(rs_total, size)[rank])
         np.testing.assert_allclose(r["grouped"][0], np.full(3, sum(q + 1.0 for q in range(size))))
         np.testing.assert_array_equal(r["grouped"][1], np.full((2, 2), sum(range(size)), np.int32))
+        got, got_splits = r["alltoall"]
+        assert got_splits == [(o + rank) % 3 for o in range(size)], got_splits
+        want = [[o, rank, i] for o in range(size) for i in range((o + rank) % 3)]
+        np.testing.assert_array_equal(got, np.array(want, dtype=np.float32).reshape(-1, 3))
+        bound = (2 * size - 1) * 2.0 ** -11 * np.abs(np.stack(xs)).sum(axis=0)
+        assert (np.abs(r["fp16"] - np.sum(np.stack(xs).astype(np.float64), axis=0)) <= bound).all()
         assert r["stream_ok"]
         if r["dlpack"] is not None:
             np.testing.assert_array_equal(r["dlpack"], np.full(8, sum(range(1, size + 1)), np.float32))

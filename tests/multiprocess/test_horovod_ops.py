@@ -564,6 +564,22 @@ def _three_worker(rank, size):
         out[("reducescatter", dtype, op)] = hvd.reducescatter(tf.constant(_x(rank, dtype, (10, 2), 40)), op=op).numpy()
     out["allgather"] = hvd.allgather(tf.constant(_x(rank, "int32", (rank + 1, 2), 41))).numpy()
     out["int average"] = hvd.allreduce(tf.constant(_x(rank, "int64", (12,), 42))).numpy()
+    # all-to-all: uneven splits (zeros too) through the direct API, tensors eagerly and in a graph, hvd with
+    # its gradient; an even split without splits=
+    import tf_commstrategy as tfcs
+    splits = _a2a_splits()[rank]
+    rows = _x(rank, "float32", (sum(splits), 2), 43)
+    got, got_splits = tfcs.alltoall(rows, splits)
+    out["alltoall np"] = (got, list(got_splits))
+    got, got_splits = tf.function(lambda t, s: tfcs.alltoall(t, s))(tf.constant(rows), tf.constant(splits))
+    out["alltoall fn"] = (got.numpy(), got_splits.numpy().tolist())
+    out["alltoall even"] = hvd.alltoall(tf.constant(_x(rank, "int64", (6,), 44))).numpy()
+    v = tf.Variable(rows)
+    with tf.GradientTape() as tape:
+        got, got_splits = hvd.alltoall(v, splits=splits)
+        loss = tf.reduce_sum(got * tf.cast(tf.range(1, tf.shape(got)[0] + 1)[:, None], tf.float32))
+    out["hvd alltoall"] = (got.numpy(), got_splits.numpy().tolist(), tape.gradient(loss, v).numpy())
+    out["alltoall bad splits"] = _error(lambda: hvd.alltoall(tf.ones([4]), splits=[1, 1]))
     hvd.barrier()
     time.sleep({0: 0.3, 1: 1.2, 2: 0.0}[rank])
     out["join"] = int(hvd.join())
@@ -576,8 +592,41 @@ def _three_worker(rank, size):
     return out
 
 
-def test_three_workers_uneven_splits_join_and_a_mismatch():
-    res = run_workers(_three_worker, 3, timeout=180)
+@pytest.fixture(scope="module")
+def three_workers():
+    return run_workers(_three_worker, 3, timeout=180)
+
+
+def _a2a_splits():
+    return [[2, 0, 3], [1, 1, 1], [0, 4, 0]]  # row o: the rows rank o sends each rank
+
+
+def test_alltoall_matches_numpy_and_its_gradient_goes_back(three_workers):
+    splits = _a2a_splits()
+    sent = [_x(o, "float32", (sum(splits[o]), 2), 43) for o in range(3)]
+    pieces = [np.split(sent[o], np.cumsum(splits[o])[:-1]) for o in range(3)]
+    evens = [_x(o, "int64", (6,), 44) for o in range(3)]
+    for rank, out in enumerate(three_workers):
+        want = np.concatenate([pieces[o][rank] for o in range(3)])
+        received = [splits[o][rank] for o in range(3)]
+        for key in ("alltoall np", "alltoall fn", "hvd alltoall"):
+            np.testing.assert_array_equal(out[key][0], want, err_msg=key)
+            assert out[key][1] == received, (key, out[key][1])
+        np.testing.assert_array_equal(out["alltoall even"], np.concatenate([evens[o][2 * rank:2 * rank + 2]
+                                                                            for o in range(3)]))
+        # d loss / d row = its position (1-based) in the receiving rank's output, sent back to its origin
+        grad = out["hvd alltoall"][2]
+        for d in range(3):
+            start = sum(splits[o][d] for o in range(rank))
+            lo = sum(splits[rank][:d])
+            for i in range(splits[rank][d]):
+                np.testing.assert_array_equal(grad[lo + i], np.full(2, start + i + 1, np.float32))
+        cls, msg = out["alltoall bad splits"]
+        assert cls == "UnsupportedOperationError" and "must be 3 counts" in msg, (cls, msg)
+
+
+def test_three_workers_uneven_splits_join_and_a_mismatch(three_workers):
+    res = three_workers
     for dtype, op in (("float32", SUM), ("int32", AVG), ("float64", AVG)):
         full = _reduce_ref([_x(r, dtype, (10, 2), 40) for r in range(3)], op)
         for rank, out in enumerate(res):

@@ -148,6 +148,26 @@ def test_compressed_allreduces_move_half_the_bytes_and_come_back_in_their_dtype(
         np.testing.assert_array_equal(grouped[1], np.arange(4, dtype=np.int32))
 
 
+def w_alltoall(rank, size):
+    cupy, tfcs, fake = _setup()
+    splits = [[1, 0, 2], [0, 0, 3], [2, 2, 0]][rank]
+    x = np.arange(sum(splits) * 2, dtype=np.float32).reshape(-1, 2) + 100 * rank
+    got, got_splits = tfcs.alltoall(cupy.asarray(x), splits, backend="nccl")
+    even, _ = tfcs.alltoall(cupy.asarray(np.full(3, rank, np.int64)), backend="nccl")
+    return to_host(got), got_splits, to_host(even)[0]
+
+
+def test_alltoall_sends_every_block_with_one_group_of_sends_and_receives():
+    splits = [[1, 0, 2], [0, 0, 3], [2, 2, 0]]
+    results = run_workers(w_alltoall, 3, timeout=180)
+    sent = [np.arange(sum(splits[o]) * 2, dtype=np.float32).reshape(-1, 2) + 100 * o for o in range(3)]
+    for rank, ((got, kind), got_splits, even) in enumerate(results):
+        want = np.concatenate([np.split(sent[o], np.cumsum(splits[o])[:-1])[rank] for o in range(3)])
+        assert kind == "cupy.ndarray" and got_splits == [splits[o][rank] for o in range(3)]
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(even, np.arange(3, dtype=np.int64))
+
+
 def w_mismatch(rank, size, shapes):
     cupy, tfcs, fake = _setup()
     tfcs.allreduce(cupy.asarray(np.ones(2, np.float32)), backend="nccl")

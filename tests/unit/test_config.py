@@ -88,3 +88,11 @@ def test_what_compression_narrows():
     for op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD):
         assert wire_dtype("fp16", np.float32, op) is None, op
     assert wire_dtype("none", np.float32, S) is None
+
+
+def test_bench_hosts():
+    from tf_commstrategy.config import bench_hosts_from_env
+    assert bench_hosts_from_env(2, {}) == ["127.0.0.1", "127.0.0.1"]
+    assert bench_hosts_from_env(2, {"TFCS_BENCH_HOSTS": "10.0.0.1, 10.0.0.2"}) == ["10.0.0.1", "10.0.0.2"]
+    with pytest.raises(ConfigurationError, match="TFCS_BENCH_HOSTS.*1 addresses for 2 ranks"):
+        bench_hosts_from_env(2, {"TFCS_BENCH_HOSTS": "10.0.0.1"})

@@ -216,3 +216,15 @@ def test_compressed_allreduce_travels_narrow_within_its_rounding_bound(size, wir
     assert sizes and all(s % np.dtype(wire).itemsize == 0 and s <= 4 * np.dtype(wire).itemsize or small
                          for s in sizes), sizes
     assert sum(sizes) == (size * (size - 1) * n * 2 if small else 2 * (size - 1) * n * 2), sum(sizes)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_alltoall_passes_every_block_to_its_rank(size, chunk):
+    rng = np.random.default_rng(size * 10 + chunk)
+    counts = rng.integers(0, 4, (size, size)).tolist()  # zeros included: empty blocks and steps
+    blocks = {(o, d): rng.standard_normal(counts[o][d]).astype(np.float32) for o in range(size) for d in range(size)}
+    inputs = [np.concatenate([blocks[(o, d)] for d in range(size)]) for o in range(size)]
+    out, _ = run_ring(size, lambda l: ring.alltoall(l, inputs[l.rank], counts, chunk))
+    for r in range(size):
+        np.testing.assert_array_equal(out[r], np.concatenate([blocks[(o, r)] for o in range(size)]))

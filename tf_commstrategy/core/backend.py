@@ -12,7 +12,7 @@ import abc
 import dataclasses
 from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
-from ..errors import BackendUnavailableError, CollectiveMismatchError, ConfigurationError
+from ..errors import BackendUnavailableError, CollectiveMismatchError, ConfigurationError, UnsupportedOperationError
 from .reduce_ops import ReduceOp
 
 
@@ -177,6 +177,26 @@ class Backend(abc.ABC):
           This rank's piece of the reduced buffer.
         """
 
+    def alltoall(self, buf, splits: Optional[Sequence[int]] = None, timeout: Optional[float] = None):
+        """Send rank d the ``splits[d]`` rows of ``buf`` after the ones for ranks before it; receive every
+        rank's rows for this one, in rank order (Horovod's and MPI's all-to-all along axis 0).
+
+        Args:
+          buf: this rank's rows; trailing dimensions and dtype equal on every rank.
+          splits: rows for each rank, in rank order, summing to ``buf.shape[0]`` (``check_splits``); None:
+            ``buf.shape[0]`` divided evenly (it must divide).
+          timeout: deadline in seconds (None: the group's).
+
+        Returns:
+          ``(received, received_splits)``: the rows from every rank concatenated in rank order, and how
+          many came from each.
+
+        Raises:
+          UnsupportedOperationError: this backend has no all-to-all (the default), or bad ``splits``.
+        """
+        raise UnsupportedOperationError(f"the {self.name} backend has no alltoall",
+                                        fix="use backend='grpc' (host buffers) or 'nccl' (GPU buffers)")
+
     @abc.abstractmethod
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Return once every rank has entered the barrier.
@@ -246,6 +266,36 @@ class Backend(abc.ABC):
         Args:
           error: what the pending and later calls raise.
         """
+
+
+def check_splits(buf, splits: Optional[Sequence[int]], size: int, rank: int) -> List[int]:
+    """The rows of ``buf`` for each rank of an all-to-all, checked.
+
+    Args:
+      buf: the rows (axis 0 is split).
+      splits: one count per rank, or None to split ``buf.shape[0]`` evenly.
+      size, rank: the job's size and this rank (for the message).
+
+    Raises:
+      UnsupportedOperationError: a scalar, a count list of the wrong length, negative counts, counts that
+        do not add up to the rows, or rows that do not divide evenly when ``splits`` is None.
+    """
+    if len(getattr(buf, "shape", ())) == 0:
+        raise UnsupportedOperationError("alltoall needs at least one dimension to split", rank=rank,
+                                        fix="reshape the scalar to shape (1,)")
+    rows = int(buf.shape[0])
+    if splits is None:
+        if rows % size:
+            raise UnsupportedOperationError(
+                f"alltoall without splits divides the {rows} rows evenly among {size} ranks, and they do not "
+                f"divide", rank=rank, fix=f"pass splits= (rows per rank), or a multiple of {size} rows")
+        return [rows // size] * size
+    counts = [int(c) for c in splits]
+    if len(counts) != size or any(c < 0 for c in counts) or sum(counts) != rows:
+        raise UnsupportedOperationError(
+            f"alltoall splits={counts} must be {size} counts >= 0 adding up to the {rows} rows", rank=rank,
+            fix="give one row count per rank, in rank order")
+    return counts
 
 
 #: name -> factory(process_group) -> Backend

@@ -447,3 +447,48 @@ def broadcast(link, flat: np.ndarray, root: int, chunk_elems: int) -> np.ndarray
     if right_is_root:
         link.send((1, 0), b"")
     return flat
+
+
+def alltoall(link, flat: np.ndarray, counts: Sequence[Sequence[int]], chunk_elems: int) -> np.ndarray:
+    """Ring all-to-all of variable-size blocks: rank o's block for rank d reaches d, passed along the ring.
+
+    ``flat`` holds this rank's blocks one after the other, in rank order of their destinations
+    (``counts[r][d]`` elements for rank d). At step t this rank sends its right neighbour the blocks of
+    origin r - t that still have to travel further (those for r + 1 ... r - t - 1, in ring order); what
+    it receives at step t is the block of origin r - 1 - t for itself, followed by the ones it passes on
+    at step t + 1, so forwarding is a slice of what arrived. W - 1 steps; a block for the rank k places
+    to the right crosses k links (the ring's links are all there is between ranks).
+
+    Args:
+      link: the ring link.
+      flat: 1-D, this rank's ``sum(counts[rank])`` elements; only read.
+      counts: ``counts[o][d]``: elements rank o sends rank d, the same table on every rank.
+      chunk_elems: pipelining unit, in elements.
+
+    Returns:
+      A new 1-D array: the blocks for this rank, in rank order of their origins.
+
+    Raises:
+      CollectiveMismatchError: a neighbour sent a chunk of another size.
+    """
+    W, r = link.size, link.rank
+    offs = np.concatenate([[0], np.cumsum(counts[r])]).astype(np.int64)
+    out_offs = np.concatenate([[0], np.cumsum([counts[o][r] for o in range(W)])]).astype(np.int64)
+    out = np.empty(int(out_offs[-1]), dtype=flat.dtype)
+    out[out_offs[r]:out_offs[r + 1]] = flat[offs[r]:offs[r + 1]]
+    # step 0: this rank's blocks for r + 1, ..., r - 1, in ring order
+    outgoing = np.concatenate([flat[offs[d]:offs[d + 1]] for d in ((r + k) % W for k in range(1, W))]) \
+        if W > 1 else flat[:0]
+    for t in range(W - 1):
+        for c, (a, b) in enumerate(chunk_ranges(0, outgoing.size, chunk_elems)):
+            link.send((t, c), _as_bytes(outgoing[a:b]))
+        origin = (r - 1 - t) % W
+        dests = [(r + k) % W for k in range(W - 1 - t)]  # r itself first, then the ones passed on
+        expect = sum(counts[origin][d] for d in dests)
+        incoming = np.empty(expect, dtype=flat.dtype)
+        for c, (a, b) in enumerate(chunk_ranges(0, expect, chunk_elems)):
+            incoming[a:b] = _incoming(link, (t, c), flat.dtype, b - a)
+        mine = counts[origin][r]
+        out[out_offs[origin]:out_offs[origin + 1]] = incoming[:mine]
+        outgoing = incoming[mine:]
+    return out

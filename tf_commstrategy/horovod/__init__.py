@@ -6,9 +6,9 @@ The names of both Horovod modules (TensorFlow 2), with Horovod's signatures and 
 * basics (``basics.py``): ``init``, ``shutdown``, ``size``, ``rank``, ``local_*``, ``cross_*``, build
   flags, ``ProcessSet`` (only ``global_process_set`` is supported);
 * collectives (``ops.py``): ``allreduce``, ``grouped_allreduce``, ``allgather``, ``grouped_allgather``,
-  ``broadcast``, ``broadcast_``, ``reducescatter``, ``grouped_reducescatter``, ``barrier``, ``join``
-  and the reductions ``Average``, ``Sum``, ``Min``, ``Max``, ``Product`` (``Adasum`` and ``alltoall``
-  raise ``UnsupportedOperationError``);
+  ``broadcast``, ``broadcast_``, ``reducescatter``, ``grouped_reducescatter``, ``alltoall``, ``barrier``,
+  ``join`` and the reductions ``Average``, ``Sum``, ``Min``, ``Max``, ``Product`` (``Adasum`` raises
+  ``UnsupportedOperationError``);
 * ``Compression`` (``compression.py``); ``broadcast_variables``, ``broadcast_object``,
   ``allgather_object`` (``functions.py``);
 * the Keras half: ``DistributedOptimizer``, ``load_model`` (``optimizer.py``), ``DistributedGradientTape``,

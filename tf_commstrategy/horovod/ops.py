@@ -23,7 +23,7 @@ How Horovod's semantics map onto the core:
 * Grouped calls: ``grouped_allreduce`` and ``broadcast_`` move their tensors in one fused transfer per
   dtype; ``grouped_allgather`` and ``grouped_reducescatter`` run one collective per tensor.
 
-Only the global process set exists (``basics.py``); Adasum and alltoall are not implemented.
+Only the global process set exists (``basics.py``); Adasum is not implemented.
 """
 
 from __future__ import annotations
@@ -522,14 +522,45 @@ def grouped_reducescatter(tensors, device_dense='', compression=Compression.none
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Horovod's all-to-all; not in tf_commstrategy's core.
+    """Send process d the ``splits[d]`` rows of ``tensor`` that follow the rows for the processes before it;
+    receive every process's rows for this one, concatenated in rank order.
+
+    Args:
+      tensor: at least 1-D; trailing dimensions and dtype equal on every process, the first may differ.
+      splits: rows for each process in rank order (ints or an integer tensor adding up to the rows);
+        None: the rows divided evenly (they must divide).
+      name, ignore_name_scope: accepted, unused (collectives are matched by order).
+      process_set: only the global process set.
+
+    Returns:
+      The received tensor; with ``splits`` given, ``(received, received_splits)`` (int32), as Horovod.
+      Its gradient is the all-to-all of the upstream gradient back, with the received splits.
 
     Raises:
-      UnsupportedOperationError: always.
+      HorovodNotInitializedError: ``hvd.init()`` has not been called.
+      UnsupportedOperationError: another process set, a scalar, or bad ``splits``.
+      CollectiveError: a subclass, from the collective.
     """
-    raise UnsupportedOperationError("alltoall is not implemented yet",
-                                    fix="express the exchange with hvd.allgather and slicing, or "
-                                        "hvd.reducescatter")
+    _begin(process_set, "alltoall")
+    t = tf.convert_to_tensor(tensor)
+    received, received_splits = _alltoall(t, splits)
+    return (received, received_splits) if splits is not None else received
+
+
+def _alltoall(t: tf.Tensor, splits):
+    """The core's all-to-all; gradient: the upstream gradient sent back with the received splits."""
+    if not t.dtype.is_floating:
+        return tensor_ops.alltoall(t, splits)
+
+    @tf.custom_gradient
+    def op(x):
+        received, received_splits = tensor_ops.alltoall(x, splits)
+
+        def grad(dy, _dsplits=None):
+            back, _ = tensor_ops.alltoall(_like(dy, received), received_splits)
+            return tf.reshape(back, tf.shape(x))
+        return (received, received_splits), grad
+    return op(t)
 
 
 def _host_call(fn: Callable[[], int], name: str, stateful: bool = True) -> tf.Tensor:

@@ -447,3 +447,34 @@ def reduce_scatter(x, op="sum", *, backend: Optional[str] = None, timeout: Optio
     out, = run_collective(lambda b, a: [b.reduce_scatter(a[0], op, timeout)], backend, [t], [t.dtype],
                           [shape], name="tfcs_reduce_scatter")
     return out
+
+
+def alltoall(x, splits=None, *, backend: Optional[str] = None, timeout: Optional[float] = None):
+    """``tfcs.alltoall`` for a tensor: every rank's rows for this one, and how many came from each.
+
+    Args:
+      x: a tensor, at least 1-D; trailing dimensions equal on every rank.
+      splits: rows for each rank (ints, an array or an integer tensor; None: an even split).
+      backend: "grpc" | "nccl" | "auto" for this call only.
+      timeout: deadline in seconds for this call.
+
+    Returns:
+      ``(received, received_splits)``: a tensor of ``x``'s dtype with the rows from every rank in rank
+      order, and an int32 tensor of ``size()`` counts.
+
+    Raises:
+      UnsupportedOperationError: bad ``splits``, a dtype the backends do not move, or inside XLA.
+      CollectiveError: a subclass, from the collective.
+    """
+    t = _tensor(x)
+    check_dtype(t.dtype.as_numpy_dtype)
+    shape = tf.TensorShape([None]).concatenate(t.shape[1:])
+    n = default_group().size
+    ins = [t] if splits is None else [t, tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int64)]
+
+    def call(b, arrs):
+        received, counts = b.alltoall(arrs[0], None if len(arrs) == 1 else [int(c) for c in arrs[1]], timeout)
+        return [received, np.asarray(counts, dtype=np.int32)]
+    out, counts = run_collective(call, backend, ins, [t.dtype, tf.int32], [shape, tf.TensorShape([n])],
+                                 name="tfcs_alltoall")
+    return out, counts

@@ -21,7 +21,7 @@ from ... import config
 from ...core import compression as compression_mod
 from ...core import ring
 from ...core.ring import SINGLE
-from ...core.backend import Backend, BackendStats, Capabilities, register_backend
+from ...core.backend import Backend, BackendStats, Capabilities, check_splits, register_backend
 from ...core.reduce_ops import ReduceOp, needs_wide_accumulator
 from ...errors import UnsupportedOperationError
 from . import shm_shared, wire
@@ -273,6 +273,34 @@ class HostBackend(Backend):
                 return mine
             return ring.allreduce(link, mine, ReduceOp.SUM, self._chunk_elems(np.int64))
         return [int(c) for c in self.runner.run(sig, timeout, body)]
+
+    def alltoall(self, buf: np.ndarray, splits: Optional[List[int]] = None, timeout=None):
+        """Blocks of rows passed along the ring (``ring.alltoall``); the split table is gathered first."""
+        table = self._split_table(check_splits(buf, splits, self.size, self.rank), tuple(buf.shape[1:]),
+                                  buf.dtype, timeout)
+        row = int(np.prod(buf.shape[1:], dtype=np.int64))
+        sig = f"alltoall dtype={buf.dtype} trailing={tuple(buf.shape[1:])} rows={table.tolist()}"
+        flat = np.ascontiguousarray(buf).reshape(-1)
+        self.collective_bytes += flat.nbytes
+        ce = self._chunk_elems(buf.dtype)
+        received = table[:, self.rank]
+
+        def body(link):
+            out = ring.alltoall(link or SINGLE, flat, (table * row).tolist(), ce)
+            return out.reshape((int(received.sum()),) + tuple(buf.shape[1:]))
+        return self.runner.run(sig, timeout, body), [int(c) for c in received]
+
+    def _split_table(self, splits: List[int], trailing, dtype, timeout) -> np.ndarray:
+        """Every rank's splits, row o = rank o's (one all-reduce of a table each rank fills one row of)."""
+        mine = np.zeros((self.size, self.size), dtype=np.int64)
+        mine[self.rank] = splits
+        sig = f"alltoall-splits dtype={np.dtype(dtype)} trailing={trailing}"
+
+        def body(link):
+            if link is None:
+                return mine
+            return ring.allreduce(link, mine.reshape(-1), ReduceOp.SUM, self._chunk_elems(np.int64))
+        return self.runner.run(sig, timeout, body).reshape(self.size, self.size)
 
     def barrier(self, timeout=None) -> None:
         token = np.ones(1, dtype=np.int32)

@@ -33,7 +33,7 @@ import numpy as np
 
 from ... import config
 from ...core import compression as compression_mod
-from ...core.backend import Backend, BackendStats, Capabilities
+from ...core.backend import Backend, BackendStats, Capabilities, check_splits
 from ...core.reduce_ops import ReduceOp
 from ...errors import CollectiveError, CollectiveMismatchError, TfcsError, UnsupportedOperationError
 from . import buffers as bufmod
@@ -367,6 +367,45 @@ class NcclBackend(Backend):
             return bufmod.DeviceBuffer(cupy.concatenate(parts), b.dtype)
 
         return wrap(self._run(sig, b.device_id, timeout, body, check=False))
+
+    def alltoall(self, buf, splits=None, timeout=None):
+        """One ``allGather`` of [signature hash, splits] (the check and the split table at once), then one
+        ``ncclSend`` / ``ncclRecv`` per peer in one group."""
+        import cupy
+        b, wrap = bufmod.to_device(buf)
+        counts = check_splits(b.array, splits, self.size, self.rank)
+        self._bytes += int(b.array.nbytes)
+        dt = self._dt(b)
+        trailing = b.shape[1:]
+        per = _prod(trailing)
+        sig = f"alltoall dtype={b.dtype} trailing={list(trailing)}"
+        nccl, n, me = self._nccl, self.size, self.rank
+        item = b.array.dtype.itemsize
+
+        def body(comm, stream, seq, deadline):
+            h = signature_hash(sig, seq)
+            meta = cupy.asarray([h] + counts, dtype=cupy.int64)
+            metas = cupy.empty((n + 1) * n, dtype=cupy.int64)
+            comm.comm.allGather(meta.data.ptr, metas.data.ptr, n + 1, nccl.NCCL_INT64, stream.ptr)
+            comm.wait(stream, deadline, f"splits of [{sig}]", seq, self._control_failure)
+            table = [[int(v) for v in row] for row in metas.get(stream=stream).reshape(n, n + 1)]
+            if any(row[0] != h for row in table):
+                raise self._checks.mismatch(comm, sig, seq, [row[0] for row in table])
+            received = [table[o][1 + me] for o in range(n)]
+            out = b.like((sum(received),) + trailing)
+            send_off = [sum(counts[:d]) for d in range(n)]
+            recv_off = [sum(received[:o]) for o in range(n)]
+            nccl.groupStart()
+            try:
+                for p in range(n):
+                    comm.comm.send(b.ptr + send_off[p] * per * item, counts[p] * per, dt, p, stream.ptr)
+                    comm.comm.recv(out.ptr + recv_off[p] * per * item, received[p] * per, dt, p, stream.ptr)
+            finally:
+                nccl.groupEnd()
+            return out, received
+
+        out, received = self._run(sig, b.device_id, timeout, body, check=False)
+        return wrap(out), received
 
     def reduce_scatter(self, buf, op: ReduceOp, timeout=None):
         b, wrap = bufmod.to_device(buf)
