@@ -19,7 +19,7 @@ setup: $(STAMP)
 
 # The default suite: unit + multiprocess tests, no slow/soak/GPU/netns tests.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu and not netns and not bench and not engines" -n 2 tests
+	$(BIN)/python -m pytest -m "not slow and not gpu and not netns and not bench and not engines" -n 2 --durations=25 tests
 
 # Tests of the benchmark tooling (tfcs-bench, benchmarks/keras_throughput.py); a separate CI step.
 test-bench: $(STAMP)
@@ -27,7 +27,7 @@ test-bench: $(STAMP)
 
 # Slow and soak tests; CI runs them in a separate, time-bounded step.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m "slow and not gpu" tests
+	$(BIN)/python -m pytest -m "slow and not gpu" --durations=10 tests
 
 # Multi-host tests: workers in network namespaces joined by veth pairs (needs root; skipped otherwise).
 test-netns: $(STAMP)
