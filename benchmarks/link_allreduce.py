@@ -11,7 +11,9 @@ on the same link (``tfcs-bench --interleave``). The configurations:
 * ``default``: what a job gets between hosts with no settings;
 * ``grpc`` / ``tcp``: ``TFCS_TRANSPORT`` set to that data path;
 * ``fp16`` / ``bf16``: the default data path with ``TFCS_COMPRESSION`` (docs/usage.md): float32 travels
-  as 16-bit values; gloo moves float32 as always.
+  as 16-bit values; gloo moves float32 as always;
+* ``small-pass``: the default data path with the small all-reduce's one all-gather pass up to 64 KiB
+  x (ranks - 1) (``TFCS_SMALL_ALLREDUCE_BYTES=64K``; off between hosts by default).
 
 The table reports tfcs's median time, its bus bandwidth as a fraction of the link's rate (nccl-tests'
 convention: 2 (n-1)/n of the buffer crosses each link; for a compressed call the float32 buffer's size,
@@ -43,6 +45,7 @@ CONFIGS = {
     "tcp": {"TFCS_TRANSPORT": "tcp"},
     "fp16": {"TFCS_COMPRESSION": "fp16"},
     "bf16": {"TFCS_COMPRESSION": "bf16"},
+    "small-pass": {"TFCS_SMALL_ALLREDUCE_BYTES": "64K"},
 }
 JOB_TIMEOUT_S = 900
 
@@ -66,7 +69,7 @@ def run_config(hosts, name: str, sizes, args, tmp: str, impls) -> dict:
                    TFCS_COORDINATOR=f"{hosts.addresses[0]}:{port}", TFCS_BENCH_PORTS=",".join(map(str, bench_ports)),
                    TFCS_BENCH_HOSTS=",".join(hosts.addresses), GLOO_SOCKET_IFNAME="eth0",
                    PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", **CONFIGS[name])
-        for k in ("TFCS_TRANSPORT", "TFCS_COMPRESSION"):
+        for k in ("TFCS_TRANSPORT", "TFCS_COMPRESSION", "TFCS_SMALL_ALLREDUCE_BYTES"):
             if k not in CONFIGS[name]:
                 env.pop(k, None)
         cmd = [sys.executable, "-m", "tf_commstrategy.bench.workers", "--impl", ",".join(impls), "--op", "allreduce",
