@@ -135,10 +135,11 @@ def test_metric_average_with_local_metrics_equals_global_mean():
     assert after0 == after1
 
 
-def _global_metrics_noop(rank, size):
+def _global_metrics_and_warmup(rank, size):
+    """Two fits under one CommStrategy: global metrics with MetricAverageCallback, then the warm-up."""
     tf, keras, tfcs = _setup()
     strategy = tfcs.CommStrategy()
-    _, _, ds = _data(tf)
+    _, _, ds = _data(tf)  # 4 batches per epoch
     with strategy.scope():
         m = _model(keras)
     raw = []
@@ -148,11 +149,26 @@ def _global_metrics_noop(rank, size):
             raw.append(dict(logs))
 
     h = m.fit(ds, epochs=2, verbose=0, callbacks=[Record(), tfcs.callbacks.MetricAverageCallback()])
-    return raw, h.history
+    with strategy.scope():
+        w = _model(keras)
+    lrs = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            lrs.append(float(w.optimizer.learning_rate.numpy()))
+
+    w.fit(ds, epochs=4, verbose=0, callbacks=[tfcs.callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2),
+                                              Probe()])
+    return raw, h.history, lrs
 
 
-def test_metric_average_with_global_metrics_changes_nothing():
-    for raw, hist in run_workers(_global_metrics_noop, 2, timeout=240):
+@pytest.fixture(scope="module")
+def global_metrics_and_warmup():
+    return run_workers(_global_metrics_and_warmup, 2, timeout=240)
+
+
+def test_metric_average_with_global_metrics_changes_nothing(global_metrics_and_warmup):
+    for raw, hist, _ in global_metrics_and_warmup:
         assert hist["loss"] == [r["loss"] for r in raw]
 
 
@@ -173,26 +189,9 @@ def test_early_stopping_after_metric_average_stops_all_workers_together():
     assert a == b and a < 30
 
 
-def _warmup(rank, size):
-    tf, keras, tfcs = _setup()
-    strategy = tfcs.CommStrategy()
-    _, _, ds = _data(tf)  # 4 batches per epoch
-    with strategy.scope():
-        m = _model(keras)
-    lrs = []
-
-    class Probe(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            lrs.append(float(m.optimizer.learning_rate.numpy()))
-
-    m.fit(ds, epochs=4, verbose=0, callbacks=[tfcs.callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2),
-                                              Probe()])
-    return lrs
-
-
-def test_warmup_learning_rate_follows_the_closed_form():
+def test_warmup_learning_rate_follows_the_closed_form(global_metrics_and_warmup):
     size, steps = 2, 4
-    for lrs in run_workers(_warmup, size, timeout=240):
+    for _, _, lrs in global_metrics_and_warmup:
         want = []
         for epoch in range(4):
             for b in range(steps):
